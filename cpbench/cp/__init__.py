@@ -1,0 +1,29 @@
+"""Context parallelism for Hugging Face transformers models (see DESIGN.md, "What context parallelism is here")."""
+
+from . import hf_compat
+from .apply import parallelize
+from .config import DistributedConfig
+from .layout import SequenceLayout, gather_sequence
+from .loss import cp_causal_lm_loss
+from .plan import DEFAULT_BASE_MODEL_CP_PLAN, FAMILY_CP_PLANS, ResolvedPlan, resolve_plan
+from .styles import STYLES, AttentionStyle, SplitStyle, register_attention_style
+from .ulysses import check_ulysses, ulysses_attention
+
+register_attention_style("cp_ulysses", ulysses_attention, check=check_ulysses, replace=True)
+hf_compat.install()
+
+__all__ = [
+    "DEFAULT_BASE_MODEL_CP_PLAN",
+    "FAMILY_CP_PLANS",
+    "STYLES",
+    "AttentionStyle",
+    "DistributedConfig",
+    "ResolvedPlan",
+    "SequenceLayout",
+    "SplitStyle",
+    "cp_causal_lm_loss",
+    "gather_sequence",
+    "parallelize",
+    "register_attention_style",
+    "resolve_plan",
+]

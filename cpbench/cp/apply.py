@@ -1,0 +1,146 @@
+"""Putting CP on a model: plan resolution, hooks, the loss wrapper, and `parallelize`.
+
+`from_pretrained(distributed_config=cpbench.DistributedConfig(cp_size=N))` reaches `prepare` and
+`apply_context_parallel` through the wrappers in `hf_compat`; `parallelize` does the same for a model that is
+already built (e.g. with `from_config`).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from . import hf_compat
+from .config import DistributedConfig
+from .layout import SequenceLayout
+from .loss import cp_causal_lm_loss
+from .mesh import CPDeviceMesh, build_mesh
+from .plan import ResolvedPlan, attention_style, default_cp_plan, merge_plan, resolve_plan
+from .split import make_split_hook
+
+
+@dataclass(frozen=True)
+class AttentionBinding:
+    style: object
+    group: dist.ProcessGroup
+
+
+def wants_cp(config) -> bool:
+    return isinstance(config, DistributedConfig) and config.cp_size > 1
+
+
+def check_model_class(model_cls: type) -> None:
+    if getattr(model_cls, "_supports_context_parallel", True) is False:
+        raise ValueError(
+            f"`{model_cls.__name__}` sets `_supports_context_parallel = False`: its layers need inputs that a "
+            "sequence cut would break. Set `cp_size=1`."
+        )
+
+
+def prepare(model_cls: type, config: DistributedConfig, device_map=None):
+    """Initialises torch.distributed and the 5-D mesh; returns what transformers' `prepare_distribute_model` does."""
+    check_model_class(model_cls)
+    device = hf_compat.init_distributed()
+    return config, (device_map if device_map is not None else device), build_mesh(config, device.type)
+
+
+def model_cp_plan(model: torch.nn.Module, config: DistributedConfig | None = None) -> dict[str, str] | None:
+    """The model's full plan: the family default (or `config.base_model_cp_plan`) merged with the overrides."""
+    base = default_cp_plan(
+        model.config.model_type, model.base_model_prefix, getattr(model.config, "base_model_cp_plan", None)
+    )
+    if base is None and not (config and config.cp_plan):
+        return None
+    return merge_plan(base, config.cp_plan if config else None)
+
+
+def resolve_for(model: torch.nn.Module, config: DistributedConfig) -> ResolvedPlan:
+    check_model_class(type(model))
+    names = [n for n, _ in model.named_modules()]
+    plan = resolve_plan(model_cp_plan(model, config), names, cp_size=config.cp_size, model_name=type(model).__name__)
+    for name, style_name in plan.attention_modules.items():
+        style = attention_style(style_name)
+        if style.check is not None:
+            style.check(model.get_submodule(name), config.cp_size)
+        impl = model.config._attn_implementation or "eager"
+        if style.implementations is not None and impl not in style.implementations:
+            raise ValueError(
+                f"CP style {style_name!r} cannot serve attn_implementation={impl!r}; it serves "
+                f"{list(style.implementations)}. Load the model with one of those or pick another style."
+            )
+    return plan
+
+
+def apply_context_parallel(
+    model: torch.nn.Module, mesh: CPDeviceMesh, config: DistributedConfig, plan: ResolvedPlan
+) -> torch.nn.Module:
+    group = mesh.cp_group
+    rank = dist.get_rank(group)
+    make_layout = functools.partial(_layout, cp_size=config.cp_size, rank=rank, kind=plan.layout)
+    for name in plan.split_modules:
+        hook = make_split_hook(name == plan.first_split, make_layout)
+        model.get_submodule(name).register_forward_pre_hook(hook, with_kwargs=True)
+    for name, style_name in plan.attention_modules.items():
+        hf_compat.bind_attention(model.get_submodule(name), AttentionBinding(attention_style(style_name), group))
+    model.cp_plan = model_cp_plan(model, config)
+    model.cp_resolved_plan = plan
+    model.cp_group = group
+    if model.get_output_embeddings() is not None:
+        model.forward = _cp_lm_forward(model.forward, make_layout, group)
+    model.generate = _refuse_generate
+    return model
+
+
+def _layout(seq_len: int, *, cp_size: int, rank: int, kind: str) -> SequenceLayout:
+    return SequenceLayout(seq_len, cp_size, rank, kind)
+
+
+def _refuse_generate(*args, **kwargs):
+    raise ValueError(
+        "generate() is not supported while cp_size > 1: decoding one token at a time has no sequence to split. "
+        "Load the model without cpbench's DistributedConfig (or with cp_size=1) to generate."
+    )
+
+
+def _cp_lm_forward(forward, make_layout, group):
+    """Wraps a causal-LM forward: full labels in, whole-sequence loss and this rank's logits out."""
+
+    @functools.wraps(forward)
+    def cp_forward(input_ids=None, *args, labels=None, num_items_in_batch=None, **kwargs):
+        if kwargs.get("use_cache") or kwargs.get("past_key_values") is not None:
+            raise ValueError(
+                "use_cache=True / past_key_values are not supported while cp_size > 1: a KV cache would hold only "
+                "this rank's tokens. Call the model with use_cache=False (the default under cpbench)."
+            )
+        if kwargs.get("logits_to_keep", 0) not in (0, None):
+            raise ValueError("logits_to_keep is not supported while cp_size > 1; every rank returns its own slice.")
+        kwargs["use_cache"] = False
+        out = forward(input_ids, *args, **kwargs)
+        tokens = input_ids if input_ids is not None else kwargs.get("inputs_embeds")
+        layout = make_layout(tokens.shape[1])
+        logits = out.logits
+        if labels is not None:
+            out.loss = cp_causal_lm_loss(logits, labels, layout, group, num_items_in_batch)
+        valid = int(layout.valid_local().sum())
+        if valid < logits.shape[1]:  # this rank's tail is padding: return only its real tokens
+            out.logits = logits[:, :valid].clone()
+        return out
+
+    return cp_forward
+
+
+def parallelize(model: torch.nn.Module, config: DistributedConfig) -> torch.nn.Module:
+    """Distributes a built model (e.g. from `from_config`, seeded identically on every rank) per `config`."""
+    hf_compat.install()
+    if not isinstance(config, DistributedConfig):
+        raise TypeError(f"parallelize() needs a cpbench.DistributedConfig, got {type(config).__name__}.")
+    cls = type(model)
+    config, device_map, mesh = cls.prepare_distribute_model(config)
+    if mesh is None:
+        return model
+    if isinstance(device_map, torch.device):
+        model.to(device_map)
+    return cls.maybe_distribute_model(model, config, mesh)

@@ -1,0 +1,74 @@
+"""`DistributedConfig`: transformers' distributed config plus a context-parallel axis.
+
+The ranks of a cp group share one batch but hold different tokens, so they count as data-parallel ranks for
+gradient reduction: `dp_size` includes `cp_size`, and FSDP2 shards and reduces over `fsdp x cp`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.distributed import DistributedConfig as HFDistributedConfig
+
+MIN_TORCH = (2, 10)
+
+
+def _torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+@dataclass
+class DistributedConfig(HFDistributedConfig):
+    """transformers' `DistributedConfig` with `cp_size` and `cp_plan`.
+
+    Args:
+        cp_size: ranks that split every sequence between them. 1 turns context parallelism off.
+        cp_plan: overrides merged into the model's default plan, keyed like `model.cp_plan`
+            (e.g. `{"model.layers.*.self_attn": "cp_ring"}`). A value of `None` removes a rule.
+    """
+
+    cp_size: int | None = None
+    cp_plan: dict[str, str | None] | None = None
+
+    def __post_init__(self):
+        if self.cp_size is None:
+            self.cp_size = 1
+        if not isinstance(self.cp_size, int) or isinstance(self.cp_size, bool) or self.cp_size < 1:
+            raise ValueError(f"`cp_size` must be an integer >= 1, got {self.cp_size!r}.")
+        if self.cp_plan is not None and not isinstance(self.cp_plan, dict):
+            raise TypeError(
+                f"`cp_plan` must be a dict mapping module patterns to style names, got {type(self.cp_plan).__name__}."
+            )
+        super().__post_init__()
+        if self.cp_size > 1:
+            self._refuse_unsupported_combinations()
+
+    def _refuse_unsupported_combinations(self) -> None:
+        for name in ("pp_size", "tp_size", "ep_size"):
+            value = getattr(self, name)
+            if value > 1:
+                raise ValueError(
+                    f"`{name}={value}` together with `cp_size={self.cp_size}` is not supported yet: cpbench composes "
+                    f"context parallelism with FSDP and dp_replicate only. Set `{name}=1` or `cp_size=1`."
+                )
+        if _torch_version() < MIN_TORCH:
+            raise OSError(
+                f"Context parallelism needs torch>={MIN_TORCH[0]}.{MIN_TORCH[1]}, found {torch.__version__}. "
+                "Upgrade torch or set `cp_size=1`."
+            )
+
+    @property
+    def dp_size(self) -> int:
+        """Ranks that reduce gradients together: `dp_replicate_size * fsdp_size * cp_size`."""
+        return self.dp_replicate_size * self.fsdp_size * self.cp_size
+
+    @property
+    def world_size(self) -> int:
+        """Processes the mesh needs."""
+        return self.pp_size * self.dp_replicate_size * self.fsdp_size * self.cp_size * self.tp_size
+
+    @property
+    def mesh_shape(self) -> tuple[int, int, int, int, int]:
+        return (self.pp_size, self.dp_replicate_size, self.fsdp_size, self.cp_size, self.tp_size)

@@ -1,0 +1,137 @@
+"""Every touch point between cpbench and transformers internals, in one place.
+
+Tested against transformers 5.23 (pinned in pyproject.toml). What cpbench relies on:
+
+1. `DistributedMixin.prepare_distribute_model` / `maybe_distribute_model` (classmethods that
+   `from_pretrained(distributed_config=...)` calls before and after building the model). `install()` wraps
+   them: a `cpbench.DistributedConfig` with `cp_size > 1` gets cpbench's mesh and CP; anything else goes to
+   transformers unchanged.
+2. The attention interface `ALL_ATTENTION_FUNCTIONS`: attention modules call
+   `ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)`.
+   A CP attention module gets a config *view* whose `_attn_implementation` is `CP_ATTENTION_KEY`; the function
+   registered under that key runs the module's CP style around the model's real implementation.
+3. Decoder layers are called as `layer(hidden_states, attention_mask=..., position_ids=...,
+   position_embeddings=(cos, sin), **kwargs)` and pass `**kwargs` on to the attention interface; the split
+   hook uses those names and passes the `SequenceLayout` along as `cp_layout`.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+import torch
+from transformers.distributed.mixin import DistributedMixin
+from transformers.distributed.utils import _bind_local_device, _ensure_torch_distributed
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+CP_ATTENTION_KEY = "cpbench_cp"
+HIDDEN_STATES = "hidden_states"
+POSITION_EMBEDDINGS = "position_embeddings"
+POSITION_IDS = "position_ids"
+LAYOUT_KWARG = "cp_layout"
+
+
+class AttentionConfigView:
+    """The model config as one attention module sees it: the same object, except `_attn_implementation`."""
+
+    def __init__(self, config, attn_implementation: str):
+        object.__setattr__(self, "_cp_base_config", config)
+        object.__setattr__(self, "_attn_implementation", attn_implementation)
+
+    def __getattr__(self, name):
+        return getattr(object.__getattribute__(self, "_cp_base_config"), name)
+
+    def __setattr__(self, name, value):
+        setattr(self._cp_base_config, name, value)
+
+
+class ModuleView:
+    """An attention module with some attributes replaced (e.g. `num_key_value_groups` after head sharding)."""
+
+    def __init__(self, module: torch.nn.Module, **overrides):
+        object.__setattr__(self, "_cp_module", module)
+        for k, v in overrides.items():
+            object.__setattr__(self, k, v)
+
+    def __getattr__(self, name):
+        return getattr(object.__getattribute__(self, "_cp_module"), name)
+
+
+def model_attention_implementation(module: torch.nn.Module) -> str:
+    config = module.config
+    base = config._cp_base_config if isinstance(config, AttentionConfigView) else config
+    return base._attn_implementation or "eager"
+
+
+def inner_attention(module: torch.nn.Module) -> Callable:
+    """The model's own attention function for `module` (what it would call without CP)."""
+    impl = model_attention_implementation(module)
+    eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    if impl == "eager" and eager is None:
+        raise ValueError(
+            f"{type(module).__name__}: cannot find the model's `eager_attention_forward` for CP; "
+            "use attn_implementation='sdpa' or register a CP style that needs no inner attention."
+        )
+    return ALL_ATTENTION_FUNCTIONS.get_interface(impl, eager)
+
+
+def _cp_attention(module, query, key, value, attention_mask, **kwargs):
+    binding = module._cpbench_attention
+    layout = kwargs.pop(LAYOUT_KWARG, None)
+    if layout is None:
+        raise RuntimeError(
+            f"{type(module).__name__} has a CP attention style but its decoder layer has no split style: "
+            "add the layer to `cp_plan` with 'cp_split_sequence'."
+        )
+    return binding.style.fn(
+        module, query, key, value, attention_mask,
+        inner=inner_attention(module), group=binding.group, layout=layout, **kwargs,
+    )
+
+
+def bind_attention(module: torch.nn.Module, binding) -> None:
+    """Routes `module`'s attention call through `binding` (a `.style` and a `.group`)."""
+    module._cpbench_attention = binding
+    if not isinstance(module.config, AttentionConfigView):
+        module.config = AttentionConfigView(module.config, CP_ATTENTION_KEY)
+
+
+def init_distributed() -> torch.device:
+    """Initialises torch.distributed from RANK/WORLD_SIZE/LOCAL_RANK (as torchrun sets them) if needed."""
+    device_type = torch._C._get_accelerator().type
+    if device_type == "mps":
+        device_type = "cpu"
+    _ensure_torch_distributed(device_type)
+    import os
+
+    return _bind_local_device(device_type, int(os.environ.get("LOCAL_RANK", 0)))
+
+
+_ORIGINAL = {}
+
+
+def install() -> None:
+    """Registers the CP attention function and wraps transformers' distribution hooks (idempotent)."""
+    ALL_ATTENTION_FUNCTIONS.register(CP_ATTENTION_KEY, _cp_attention)
+    if _ORIGINAL:
+        return
+    from . import apply  # noqa: F401  (apply imports this module)
+
+    _ORIGINAL["prepare"] = DistributedMixin.prepare_distribute_model.__func__
+    _ORIGINAL["maybe"] = DistributedMixin.maybe_distribute_model.__func__
+
+    def prepare_distribute_model(cls, distributed_config, device_map=None):
+        if not apply.wants_cp(distributed_config):
+            return _ORIGINAL["prepare"](cls, distributed_config, device_map)
+        return apply.prepare(cls, distributed_config, device_map)
+
+    def maybe_distribute_model(cls, model, distributed_config, mesh_manager):
+        if not apply.wants_cp(distributed_config):
+            return _ORIGINAL["maybe"](cls, model, distributed_config, mesh_manager)
+        plan = apply.resolve_for(model, distributed_config)
+        model = _ORIGINAL["maybe"](cls, model, distributed_config, mesh_manager)  # FSDP2 over fsdp x cp
+        return apply.apply_context_parallel(model, mesh_manager, distributed_config, plan)
+
+    DistributedMixin.prepare_distribute_model = classmethod(prepare_distribute_model)
+    DistributedMixin.maybe_distribute_model = classmethod(maybe_distribute_model)

@@ -1,0 +1,57 @@
+"""The device mesh `(pp, dp_replicate, fsdp, cp, tp)` and the views transformers asks for.
+
+FSDP2 shards over one flattened axis `fsdp_cp`: the ranks of a cp group hold different tokens of the same
+batch, so their gradients must be reduced together with the fsdp ranks'. transformers asks its mesh manager for
+an axis named `fsdp`; `CPDeviceMesh` answers with `fsdp_cp`, so transformers' own FSDP2 code shards over it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from .config import DistributedConfig
+
+MESH_DIMS = ("pp", "dp_replicate", "fsdp", "cp", "tp")
+
+
+class CPDeviceMesh:
+    """Duck-types transformers' `TransformersDeviceMesh` (only `get_mesh`), with `fsdp` read as `fsdp x cp`.
+
+    `flat` is the 4-D mesh `(pp, dp_replicate, fsdp_cp, tp)` that FSDP2 shards over; `root` is the same ranks
+    unflattened to `(pp, dp_replicate, fsdp, cp, tp)`, for the cp group and the fsdp view.
+    """
+
+    def __init__(self, flat: DeviceMesh, fsdp_size: int, cp_size: int):
+        self.flat = flat
+        self.root = flat._unflatten("fsdp_cp", (fsdp_size, cp_size), ("fsdp", "cp"))
+
+    def get_mesh(self, dims: str | tuple[str, ...]) -> DeviceMesh:
+        dims = (dims,) if isinstance(dims, str) else tuple(dims)
+        if "cp" in dims:
+            return self.root[dims]
+        return self.flat[tuple("fsdp_cp" if d == "fsdp" else d for d in dims)]
+
+    @property
+    def cp_group(self) -> torch.distributed.ProcessGroup:
+        return self.root["cp"].get_group()
+
+
+def check_world_size(config: DistributedConfig, world_size: int) -> None:
+    if config.world_size != world_size:
+        sizes = " x ".join(f"{n}={s}" for n, s in zip(MESH_DIMS, config.mesh_shape))
+        raise ValueError(
+            f"The mesh ({sizes}) needs {config.world_size} processes, but the world has {world_size}. "
+            f"Launch {config.world_size} processes (e.g. `torchrun --nproc-per-node {config.world_size}`) "
+            "or change the sizes in DistributedConfig."
+        )
+
+
+def build_mesh(config: DistributedConfig, device_type: str) -> CPDeviceMesh:
+    """Builds the 5-D root mesh; torch.distributed must be initialised."""
+    check_world_size(config, torch.distributed.get_world_size())
+    pp, dp_replicate, fsdp, cp, tp = config.mesh_shape
+    flat = init_device_mesh(
+        device_type, (pp, dp_replicate, fsdp * cp, tp), mesh_dim_names=("pp", "dp_replicate", "fsdp_cp", "tp")
+    )
+    return CPDeviceMesh(flat, fsdp, cp)

@@ -1,0 +1,89 @@
+"""`cp_ulysses`: all-to-all from sequence-sharded to head-sharded q/k/v, the model's own attention on the full
+sequence with its whole mask, all-to-all back (DeepSpeed-Ulysses).
+
+Each rank ends up with `heads / cp` query heads over all tokens, so any attention backend (eager, sdpa, flex,
+flash) runs unchanged with the model-built mask. k/v travel at the kv-head count; when there are fewer kv heads
+than ranks they are replicated first, so each rank still receives the kv head its query heads use.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .comm import all_to_all
+from .hf_compat import ModuleView
+from .layout import SequenceLayout
+
+
+def _seq_to_heads(x_bhsd: torch.Tensor, group, cp: int) -> torch.Tensor:
+    """[B, H, S/cp, D] (this rank's tokens) -> [B, H/cp, S, D] (this rank's heads, tokens in rank order)."""
+    b, h, s, d = x_bhsd.shape
+    send_cbhsd = x_bhsd.reshape(b, cp, h // cp, s, d).transpose(0, 1).contiguous()
+    recv_cbhsd = all_to_all(send_cbhsd, group)
+    return recv_cbhsd.permute(1, 2, 0, 3, 4).reshape(b, h // cp, cp * s, d)
+
+
+def _heads_to_seq(y_bhsd: torch.Tensor, group, cp: int) -> torch.Tensor:
+    """[B, H/cp, S, D] -> [B, H, S/cp, D]: the inverse of `_seq_to_heads`."""
+    b, h, s, d = y_bhsd.shape
+    send_cbhsd = y_bhsd.reshape(b, h, cp, s // cp, d).permute(2, 0, 1, 3, 4).contiguous()
+    recv_cbhsd = all_to_all(send_cbhsd, group)
+    return recv_cbhsd.transpose(0, 1).reshape(b, cp * h, s // cp, d)
+
+
+def _kv_for_heads(kv_bhsd: torch.Tensor, num_heads: int, cp: int) -> tuple[torch.Tensor, int]:
+    """kv heads arranged so that head-sharding gives each rank the kv heads of its query heads.
+
+    Returns the tensor to shard and the number of kv heads each rank ends up with.
+    """
+    kv_heads = kv_bhsd.shape[1]
+    if kv_heads % cp == 0:
+        return kv_bhsd, kv_heads // cp
+    if cp % kv_heads == 0 and num_heads % cp == 0:
+        # Fewer kv heads than ranks: rank r's query heads all use kv head r // (cp / kv_heads).
+        return kv_bhsd.repeat_interleave(cp // kv_heads, dim=1), 1
+    # Neither divides the other: give every query head its own kv head.
+    return kv_bhsd.repeat_interleave(num_heads // kv_heads, dim=1), num_heads // cp
+
+
+def _to_global_order(x_bhsd: torch.Tensor, layout: SequenceLayout) -> torch.Tensor:
+    if layout.kind != "contiguous":
+        order = [p for r in range(layout.cp_size) for p in layout.positions_of(r)]
+        inverse = torch.empty(len(order), dtype=torch.long)
+        inverse[torch.tensor(order)] = torch.arange(len(order))
+        x_bhsd = x_bhsd.index_select(2, inverse.to(x_bhsd.device))
+    return x_bhsd[:, :, : layout.seq_len]
+
+
+def _to_layout_order(x_bhsd: torch.Tensor, layout: SequenceLayout) -> torch.Tensor:
+    x_bhsd = layout.pad(x_bhsd, dim=2)
+    if layout.kind != "contiguous":
+        order = torch.tensor([p for r in range(layout.cp_size) for p in layout.positions_of(r)])
+        x_bhsd = x_bhsd.index_select(2, order.to(x_bhsd.device))
+    return x_bhsd
+
+
+def ulysses_attention(module, query, key, value, attention_mask, *, inner, group, layout, **kwargs):
+    cp = layout.cp_size
+    num_heads = query.shape[1]
+    q_bhsd = _to_global_order(_seq_to_heads(query, group, cp), layout)
+    k_src, kv_local = _kv_for_heads(key, num_heads, cp)
+    v_src, _ = _kv_for_heads(value, num_heads, cp)
+    k_bhsd = _to_global_order(_seq_to_heads(k_src, group, cp), layout)
+    v_bhsd = _to_global_order(_seq_to_heads(v_src, group, cp), layout)
+
+    local = ModuleView(module, num_key_value_groups=(num_heads // cp) // kv_local)
+    out_bshd, _ = inner(local, q_bhsd, k_bhsd, v_bhsd, attention_mask, **kwargs)
+    out_bhsd = _to_layout_order(out_bshd.transpose(1, 2), layout)
+    return _heads_to_seq(out_bhsd, group, cp).transpose(1, 2).contiguous(), None
+
+
+def check_ulysses(module: torch.nn.Module, cp_size: int) -> None:
+    heads = module.config.num_attention_heads
+    if heads % cp_size:
+        raise ValueError(
+            f"cp_ulysses shards query heads over the cp group, but {type(module).__name__} has "
+            f"num_attention_heads={heads}, which cp_size={cp_size} does not divide. Use a cp_size that divides "
+            f"{heads}, or a ring style (`cp_plan={{'model.layers.*.self_attn': 'cp_ring'}}`)."
+        )
+

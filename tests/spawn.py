@@ -1,0 +1,87 @@
+"""Run a function on N ranks of a gloo process group on CPU, and get back what each rank returned.
+
+`run_ranks(fn, world_size, *args)` spawns `world_size` fresh processes with RANK/WORLD_SIZE/LOCAL_RANK/
+MASTER_ADDR/MASTER_PORT set as torchrun sets them (a free port each time), so the code under test initialises
+torch.distributed exactly as it would under torchrun. Each rank's return value comes back pickled; a failing
+rank's traceback is raised in the parent; ranks still running after `timeout` seconds are killed and reported.
+`fn` must be importable (a module-level function).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import socket
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+
+class RankFailure(RuntimeError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(fn, rank: int, world_size: int, port: int, out_dir: str, args: tuple, kwargs: dict) -> None:
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+    )
+    import torch
+
+    torch.set_num_threads(1)
+    path = Path(out_dir) / f"rank{rank}.pkl"
+    try:
+        result = ("ok", fn(*args, **kwargs))
+    except BaseException:  # noqa: BLE001 - the traceback is the result: the parent raises it
+        result = ("error", traceback.format_exc())
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    path.write_bytes(pickle.dumps(result))
+
+
+def run_ranks(fn, world_size: int, *args, timeout: float = 240.0, **kwargs) -> list:
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="cpbench-ranks-") as out_dir:
+        procs = [
+            ctx.Process(target=_child, args=(fn, r, world_size, port, out_dir, args, kwargs), daemon=False)
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        results, errors = [], []
+        for r in range(world_size):
+            f = Path(out_dir) / f"rank{r}.pkl"
+            if not f.exists():
+                results.append(None)
+                if r not in hung:
+                    errors.append(f"rank {r} exited with code {procs[r].exitcode} and no result")
+                continue
+            status, value = pickle.loads(f.read_bytes())
+            results.append(value if status == "ok" else None)
+            if status == "error":
+                errors.append(f"rank {r} raised:\n{value}")
+        if errors:
+            raise RankFailure("\n".join(errors))
+        if hung:
+            raise RankFailure(f"ranks {hung} still running after {timeout:.0f}s and were killed")
+        return results
