@@ -1,0 +1,119 @@
+"""The results' data model: one row per sweep point, a versioned Parquet schema.
+
+Units are base units in storage (bytes, seconds); GiB and ms exist only when rendered. Per-rank values are
+kept as lists beside their max over ranks (never a sum, never rank 0 alone). Nullable columns are null where a
+measurement does not apply (e.g. CUDA allocator columns on CPU) and the row says why in `status_detail` or
+`parity_status`.
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+SCHEMA_VERSION = 1
+
+STATUSES = ("ok", "oom", "error", "timeout", "skipped")
+PARITY_STATUSES = ("pass", "fail", "reference_oom", "error", "skipped")
+
+_LIST_I64 = pa.list_(pa.int64())
+_LIST_F64 = pa.list_(pa.float64())
+
+# name -> (arrow type, one-line meaning). Order is the column order on disk.
+COLUMNS: dict[str, tuple[pa.DataType, str]] = {
+    # identity and the point's spec
+    "schema_version": (pa.int32(), "SCHEMA_VERSION of the writer"),
+    "suite": (pa.string(), "suite name"),
+    "run_id": (pa.string(), "the sweep run this row belongs to"),
+    "point_id": (pa.string(), "stable id of the point within its suite (readable, e.g. qwen3-tiny/s512/cp2/sdpa/cp_ulysses)"),
+    "point_key": (pa.string(), "hash of the spec fields that define the point, for matching runs against baselines"),
+    "model": (pa.string(), "model preset name (or 'custom')"),
+    "model_type": (pa.string(), "transformers model_type"),
+    "num_params": (pa.int64(), "parameter count"),
+    "seq_len": (pa.int64(), "tokens per sequence"),
+    "batch_size": (pa.int64(), "sequences per batch (per dp rank)"),
+    "batch_kind": (pa.string(), "plain | packed | padded"),
+    "cp_size": (pa.int64(), "context-parallel size"),
+    "fsdp_size": (pa.int64(), "FSDP size"),
+    "dp_replicate_size": (pa.int64(), "HSDP replicas"),
+    "world_size": (pa.int64(), "processes of the point"),
+    "attn_implementation": (pa.string(), "eager | sdpa | flex_attention | flash_attention_2 | flash_attention_3"),
+    "cp_style": (pa.string(), "attention style in the cp_plan (cp_ulysses, cp_ring, ...); 'none' at cp_size 1"),
+    "dtype": (pa.string(), "float32 | bfloat16 | float16"),
+    "device": (pa.string(), "cpu | cuda"),
+    "warmup_steps": (pa.int64(), "steps run before timing"),
+    "measured_steps": (pa.int64(), "steps timed"),
+    "parity_mode": (pa.string(), "full | projected | off"),
+    "spec_json": (pa.string(), "the full point spec as JSON"),
+    # outcome
+    "status": (pa.string(), "ok | oom | error | timeout | skipped"),
+    "status_detail": (pa.string(), "the error message, or why the point was skipped; null when ok"),
+    "wall_s": (pa.float64(), "wall time of the whole point, launch included"),
+    # memory (max over ranks, and per rank)
+    "peak_bytes": (pa.int64(), "peak memory per rank, max over ranks: CUDA max_memory_allocated, CPU peak live tensor bytes"),
+    "peak_bytes_per_rank": (_LIST_I64, "peak_bytes of each rank"),
+    "reserved_bytes": (pa.int64(), "CUDA max_memory_reserved, max over ranks (null on CPU)"),
+    "reserved_bytes_per_rank": (_LIST_I64, "reserved_bytes of each rank"),
+    "alloc_retries": (pa.int64(), "CUDA allocator retries (num_alloc_retries), max over ranks (null on CPU)"),
+    "device_peak_bytes": (pa.int64(), "NVML device memory peak (sampled), max over ranks (null on CPU)"),
+    "device_peak_bytes_per_rank": (_LIST_I64, "device_peak_bytes of each rank"),
+    "rss_peak_bytes": (pa.int64(), "process RSS high-water mark, max over ranks"),
+    "rss_peak_bytes_per_rank": (_LIST_I64, "rss_peak_bytes of each rank"),
+    "params_bytes": (pa.int64(), "parameters held by the rank with the highest peak"),
+    "grads_bytes": (pa.int64(), "gradients held by that rank"),
+    "optimizer_bytes": (pa.int64(), "optimizer state held by that rank"),
+    "activations_bytes": (pa.int64(), "the rest of that rank's peak: activations and temporaries"),
+    "memory_budget_bytes": (pa.int64(), "the --memory-budget the point ran under (null: none)"),
+    # time (slowest rank per step)
+    "step_times_s": (_LIST_F64, "every measured step's time, max over ranks per step"),
+    "step_time_median_s": (pa.float64(), "median of step_times_s"),
+    "step_time_p10_s": (pa.float64(), "10th percentile of step_times_s"),
+    "step_time_p90_s": (pa.float64(), "90th percentile of step_times_s"),
+    "tokens_per_s": (pa.float64(), "tokens of the global batch per second at the median step"),
+    "flops_per_step": (pa.float64(), "model FLOPs per training step (causal-aware), whole world"),
+    "tflops_per_s": (pa.float64(), "achieved TFLOP/s per device (null on CPU)"),
+    "mfu": (pa.float64(), "model FLOPs utilisation against the device's peak (null when unknown)"),
+    # parity against the unsharded reference of the same weights and batch
+    "parity_status": (pa.string(), "pass | fail | reference_oom | error | skipped"),
+    "parity_detail": (pa.string(), "why parity is not pass, or null"),
+    "loss": (pa.float64(), "loss of the first step"),
+    "ref_loss": (pa.float64(), "reference loss"),
+    "loss_rel_err": (pa.float64(), "|loss - ref_loss| / |ref_loss|"),
+    "logits_max_err": (pa.float64(), "max |logits - ref_logits| over all tokens"),
+    "grad_max_rel_err": (pa.float64(), "worst per-parameter relative gradient error"),
+    "grad_worst_param": (pa.string(), "the parameter with that error"),
+    "loss_rtol": (pa.float64(), "tolerance the loss was judged against"),
+    "logits_atol": (pa.float64(), "tolerance the logits were judged against"),
+    "grad_rtol": (pa.float64(), "tolerance the gradients were judged against"),
+    # environment
+    "torch_version": (pa.string(), ""),
+    "transformers_version": (pa.string(), ""),
+    "cpbench_version": (pa.string(), ""),
+    "cuda_version": (pa.string(), "null on CPU"),
+    "driver_version": (pa.string(), "null on CPU"),
+    "device_name": (pa.string(), "GPU name, or the CPU model"),
+    "device_count": (pa.int64(), "GPUs visible (0 on CPU)"),
+    "hardware_id": (pa.string(), "device_name x count: runs on different hardware are not compared"),
+    "git_commit": (pa.string(), ""),
+    "git_dirty": (pa.bool_(), ""),
+    "host": (pa.string(), ""),
+    "cpu_count": (pa.int64(), ""),
+    "timestamp": (pa.string(), "ISO 8601 UTC, when the point finished"),
+}
+
+ARROW_SCHEMA = pa.schema(
+    [pa.field(name, typ) for name, (typ, _) in COLUMNS.items()],
+    metadata={b"cpbench_schema_version": str(SCHEMA_VERSION).encode()},
+)
+
+# The fields of a point's spec that identify it across runs (a baseline and a new run match on these).
+KEY_COLUMNS = (
+    "model", "seq_len", "batch_size", "batch_kind", "cp_size", "fsdp_size", "dp_replicate_size",
+    "attn_implementation", "cp_style", "dtype", "device",
+)
+
+
+def describe() -> str:
+    """The schema as a Markdown table (for the README)."""
+    lines = ["| column | type | meaning |", "|---|---|---|"]
+    lines += [f"| `{n}` | {t} | {d} |" for n, (t, d) in COLUMNS.items()]
+    return "\n".join(lines)
