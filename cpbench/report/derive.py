@@ -1,0 +1,80 @@
+"""Quantities derived from a run's rows: how points group into configurations, ratios against cp=1, and the
+largest sequence length that fits. Plain DataFrames in, plain DataFrames out (tables and plots draw them)."""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from .schema import KEY_COLUMNS
+
+# The key columns a comparison column is made of, in label order (cp size first, as users read it).
+CONFIG_ORDER = ("cp_size", "attn_implementation", "cp_style") + tuple(
+    c for c in KEY_COLUMNS if c not in ("seq_len", "cp_size", "attn_implementation", "cp_style")
+)
+
+
+def varying(frame: pd.DataFrame) -> list[str]:
+    """The configuration columns that take more than one value in this run; cp_size always."""
+    return [c for c in CONFIG_ORDER if c == "cp_size" or frame[c].nunique(dropna=False) > 1]
+
+
+def config_labels(frame: pd.DataFrame) -> pd.Series:
+    """One label per row naming its configuration (everything but seq_len), e.g. `cp 2 · sdpa · cp_ring`."""
+    dims = varying(frame)
+    return frame.apply(lambda row: _label(row, dims), axis=1).astype(str) if len(frame) else pd.Series(dtype=str)
+
+
+def _label(row: pd.Series, dims: list[str]) -> str:
+    parts = []
+    for dim in dims:
+        value = row[dim]
+        if dim == "cp_size":
+            parts.append(f"cp {int(value)}")
+        elif dim == "cp_style" and value == "none":
+            continue  # cp 1 has no style: 'cp 1 · sdpa' reads better than 'cp 1 · sdpa · none'
+        elif dim in ("attn_implementation", "cp_style"):
+            parts.append(str(value))
+        else:
+            parts.append(f"{dim}={value}")
+    return " · ".join(parts)
+
+
+def ordered_configs(frame: pd.DataFrame) -> list[str]:
+    """Configuration labels sorted by cp size, then the other varying columns."""
+    dims = varying(frame)
+    labelled = frame.assign(_config=config_labels(frame))
+    firsts = labelled.sort_values(dims, kind="stable").drop_duplicates("_config")
+    return firsts["_config"].tolist()
+
+
+def with_config(frame: pd.DataFrame) -> pd.DataFrame:
+    return frame.assign(config=config_labels(frame))
+
+
+def ratios_vs_cp1(frame: pd.DataFrame) -> pd.DataFrame:
+    """For each ok point with cp > 1: speed-up (cp1 median step / its median step) and memory ratios
+    (its peak / cp1 peak, and the same for activations) against the cp=1 point of the same other key columns.
+    Points without an ok cp=1 counterpart are left out (there is nothing to divide by)."""
+    match = [c for c in KEY_COLUMNS if c not in ("cp_size", "cp_style")]
+    ok = with_config(frame[frame["status"] == "ok"])
+    base = ok[ok["cp_size"] == 1][match + ["step_time_median_s", "peak_bytes", "activations_bytes"]]
+    base = base.drop_duplicates(match)
+    merged = ok[ok["cp_size"] > 1].merge(base, on=match, suffixes=("", "_cp1"))
+    merged["speedup"] = merged["step_time_median_s_cp1"] / merged["step_time_median_s"]
+    merged["memory_ratio"] = merged["peak_bytes"] / merged["peak_bytes_cp1"]
+    merged["activations_ratio"] = merged["activations_bytes"] / merged["activations_bytes_cp1"]
+    return merged[["config", "point_id", "seq_len", "cp_size", "speedup", "memory_ratio", "activations_ratio"]]
+
+
+def largest_fit(frame: pd.DataFrame) -> pd.DataFrame:
+    """Per configuration: the longest seq_len whose point is ok, and the shortest that was not (oom etc.)."""
+    labelled = with_config(frame)
+    rows = []
+    for config in ordered_configs(frame):
+        points = labelled[labelled["config"] == config]
+        ok = points[points["status"] == "ok"]["seq_len"]
+        failed = points[points["status"].isin(["oom", "error", "timeout"])]["seq_len"]
+        rows.append({"config": config, "largest_ok_seq_len": int(ok.max()) if len(ok) else None,
+                     "first_failed_seq_len": int(failed.min()) if len(failed) else None})
+    result = pd.DataFrame(rows, columns=["config", "largest_ok_seq_len", "first_failed_seq_len"])
+    return result.astype({"largest_ok_seq_len": "Int64", "first_failed_seq_len": "Int64"})

@@ -1,0 +1,127 @@
+"""The comparison table users know: rows are sequence lengths, columns are cp sizes (and the backend, style or
+any other spec field the sweep varies), cells `<peak> GiB, <median step> ms` with the parity verdict — or what
+happened instead (`out of memory`, `timeout`, `error`, `skipped`). The headline memory is the max over ranks.
+"""
+
+from __future__ import annotations
+
+import html
+
+import numpy as np
+import pandas as pd
+
+from . import units
+from .derive import ordered_configs, with_config
+
+NOT_RUN = "—"  # the sweep has no such point
+STATUS_TEXT = {"oom": "out of memory", "timeout": "timeout", "error": "error", "skipped": "skipped"}
+PARITY_TEXT = {"pass": "parity ✓", "fail": "parity ✗ FAIL", "reference_oom": "parity: reference out of memory",
+               "error": "parity error", "skipped": "parity skipped"}
+
+
+def cell(row: pd.Series) -> str:
+    """One point as the table shows it."""
+    status = row["status"]
+    if status != "ok":
+        return STATUS_TEXT.get(status, str(status))
+    text = f"{units.gib(row['peak_bytes'])}, {units.ms(row['step_time_median_s'])}"
+    parity = row["parity_status"]
+    if isinstance(parity, str):
+        text += f", {PARITY_TEXT.get(parity, 'parity ' + parity)}"
+    return text
+
+
+def comparison(frame: pd.DataFrame) -> pd.DataFrame:
+    """The table as a DataFrame of strings: index `seq_len`, one column per configuration."""
+    labelled = with_config(frame)
+    duplicated = labelled[labelled.duplicated(["config", "seq_len"], keep=False)]
+    if len(duplicated):
+        raise ValueError(
+            f"point_id: the run holds the same point more than once ({sorted(set(duplicated['point_id']))}); "
+            f"remove the duplicate rows (a resumed sweep must not repeat points) or rerun the sweep"
+        )
+    cells = labelled.assign(cell=labelled.apply(cell, axis=1) if len(labelled) else [])
+    table = cells.pivot(index="seq_len", columns="config", values="cell")
+    table = table.reindex(columns=ordered_configs(frame)).sort_index().fillna(NOT_RUN)
+    table.columns.name = None
+    return table
+
+
+def points(frame: pd.DataFrame) -> pd.DataFrame:
+    """Every point with its details (per-rank peaks, spread of step times, parity errors, why it is not ok)."""
+    rows = [_point_row(row) for _, row in frame.iterrows()]
+    return pd.DataFrame(rows)
+
+
+def _point_row(row: pd.Series) -> dict:
+    per_rank = row["peak_bytes_per_rank"]
+    ranks = ", ".join(units.sig(b / units.GIB) for b in per_rank) if _has(per_rank) else "–"
+    return {
+        "point": row["point_id"],
+        "status": row["status"],
+        "peak (max over ranks)": units.gib(row["peak_bytes"]),
+        "peak per rank (GiB)": ranks,
+        "activations": units.gib(row["activations_bytes"]),
+        "step median": units.ms(row["step_time_median_s"]),
+        "step p10–p90": _spread(row),
+        "tokens/s": units.sig(row["tokens_per_s"]),
+        "parity": row["parity_status"] if isinstance(row["parity_status"], str) else "–",
+        "loss rel err": units.sig(row["loss_rel_err"], 2),
+        "grad max rel err": units.sig(row["grad_max_rel_err"], 2),
+        "detail": _detail(row),
+    }
+
+
+def _spread(row: pd.Series) -> str:
+    low, high = row["step_time_p10_s"], row["step_time_p90_s"]
+    return "–" if pd.isna(low) or pd.isna(high) else f"{units.ms(low)} – {units.ms(high)}"
+
+
+def _detail(row: pd.Series) -> str:
+    parts = [row[c] for c in ("status_detail", "parity_detail") if isinstance(row[c], str) and row[c]]
+    return "; ".join(parts)
+
+
+def _has(values) -> bool:
+    return values is not None and not (isinstance(values, float) and np.isnan(values)) and len(values) > 0
+
+
+def to_markdown(table: pd.DataFrame, index_name: str | None = None) -> str:
+    """A GitHub Markdown table (no tabulate dependency); the index becomes the first column when named."""
+    header = ([index_name] if index_name else []) + [str(c) for c in table.columns]
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    for index, values in zip(table.index, table.itertuples(index=False)):
+        cells = ([str(index)] if index_name else []) + [_md_escape(v) for v in values]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _md_escape(value) -> str:
+    return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+def to_html(table: pd.DataFrame, index_name: str | None = None) -> str:
+    """The same table as an HTML <table>, cells coloured by outcome."""
+    header = ([index_name] if index_name else []) + [str(c) for c in table.columns]
+    out = ["<table>", "<tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in header) + "</tr>"]
+    for index, values in zip(table.index, table.itertuples(index=False)):
+        cells = [f"<th>{html.escape(str(index))}</th>"] if index_name else []
+        cells += [f'<td class="{_css_class(v)}">{html.escape(str(v))}</td>' for v in values]
+        out.append("<tr>" + "".join(cells) + "</tr>")
+    out.append("</table>")
+    return "\n".join(out)
+
+
+def _css_class(value) -> str:
+    text = str(value)
+    if "FAIL" in text or text in ("error", "timeout"):
+        return "bad"
+    if text == "out of memory":
+        return "oom"
+    if text in ("skipped", NOT_RUN):
+        return "none"
+    return "ok"
+
+
+def comparison_markdown(frame: pd.DataFrame) -> str:
+    return to_markdown(comparison(frame), index_name="seq len")

@@ -1,0 +1,54 @@
+"""Rendering base units for people: bytes -> GiB/MiB, seconds -> ms. Storage never holds these strings."""
+
+from __future__ import annotations
+
+import math
+
+GIB = 1024**3
+MIB = 1024**2
+
+
+def _missing(value) -> bool:
+    return value is None or (isinstance(value, float) and math.isnan(value))
+
+
+def sig(value: float, digits: int = 3) -> str:
+    """`value` with about `digits` significant digits, without scientific notation for everyday magnitudes."""
+    if _missing(value):
+        return "–"
+    if value == 0:
+        return "0"
+    magnitude = math.floor(math.log10(abs(value)))
+    if magnitude >= digits - 1:
+        return f"{value:.0f}"
+    if magnitude < -4:
+        return f"{value:.{digits - 1}e}"
+    return f"{value:.{digits - 1 - magnitude}f}"
+
+
+def gib(num_bytes) -> str:
+    """`1.23 GiB` (the unit of the comparison table)."""
+    return "–" if _missing(num_bytes) else f"{sig(num_bytes / GIB)} GiB"
+
+
+def human_bytes(num_bytes) -> str:
+    """GiB from 1 GiB up, MiB below: for messages about small CPU models."""
+    if _missing(num_bytes):
+        return "–"
+    if abs(num_bytes) >= GIB:
+        return f"{sig(num_bytes / GIB)} GiB"
+    return f"{sig(num_bytes / MIB)} MiB"
+
+
+def ms(seconds) -> str:
+    """`45.6 ms`."""
+    return "–" if _missing(seconds) else f"{sig(seconds * 1e3)} ms"
+
+
+def change(old, new) -> str:
+    """Relative change `+12.3%`, or `new` when there is no old value to divide by."""
+    if _missing(old) or _missing(new):
+        return "–"
+    if old == 0:
+        return "±0%" if new == 0 else "new"
+    return f"{(new - old) / abs(old) * 100:+.1f}%"
