@@ -1,0 +1,207 @@
+"""The report's figures (matplotlib's object API on the Agg canvas: no pyplot state, no display needed).
+
+Each `*_figure(frame)` returns a Figure (a notebook shows it; `save_all` writes PNGs). Axes are in GiB and ms
+(rendering only); the data stays in bytes and seconds.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+from matplotlib.figure import Figure
+
+from .derive import largest_fit, ordered_configs, ratios_vs_cp1, with_config
+from .units import GIB
+
+BREAKDOWN = (("params_bytes", "parameters"), ("grads_bytes", "gradients"),
+             ("optimizer_bytes", "optimizer state"), ("activations_bytes", "activations"))
+PARITY = (("loss_rel_err", "loss_rtol", "loss"), ("logits_max_err", "logits_atol", "logits"),
+          ("grad_max_rel_err", "grad_rtol", "gradients"))
+FLOOR = 1e-6  # an error of exactly 0 is drawn here on the log axis (and said so in the legend)
+
+
+def _ok(frame: pd.DataFrame) -> pd.DataFrame:
+    return with_config(frame[frame["status"] == "ok"]).sort_values("seq_len")
+
+
+def _seq_axis(ax) -> None:
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("sequence length (tokens)")
+    ax.grid(True, alpha=0.3)
+
+
+def _empty(ax, message: str) -> None:
+    ax.text(0.5, 0.5, message, ha="center", va="center", transform=ax.transAxes)
+    ax.set_axis_off()
+
+
+def capacity_bytes(frame: pd.DataFrame, explicit: float | None = None) -> tuple[float, str] | None:
+    """The memory line to draw: an explicit capacity, else the sweep's --memory-budget (when it had one)."""
+    if explicit:
+        return float(explicit), "device capacity"
+    budgets = frame["memory_budget_bytes"].dropna()
+    return (float(budgets.max()), "memory budget") if len(budgets) else None
+
+
+def memory_figure(frame: pd.DataFrame, capacity: float | None = None) -> Figure:
+    """Peak memory per rank vs sequence length, one line (max over ranks) per configuration, every rank a dot."""
+    fig = Figure(figsize=(8, 5), layout="constrained")
+    ax = fig.add_subplot()
+    ok = _ok(frame)
+    if ok.empty:
+        _empty(ax, "no point finished ok")
+        return fig
+    for config in ordered_configs(ok):
+        points = ok[ok["config"] == config]
+        line = ax.plot(points["seq_len"], points["peak_bytes"] / GIB, marker="o", label=config)[0]
+        for seq_len, ranks in zip(points["seq_len"], points["peak_bytes_per_rank"]):
+            if ranks is not None and len(ranks):
+                ax.scatter([seq_len] * len(ranks), np.asarray(ranks) / GIB, s=10, color=line.get_color(), alpha=0.5)
+    _mark_failures(ax, with_config(frame))
+    line = capacity_bytes(frame, capacity)
+    if line:
+        ax.axhline(line[0] / GIB, color="red", linestyle="--", label=line[1])
+    _seq_axis(ax)
+    ax.set_ylabel("peak memory per rank (GiB)")
+    ax.set_title("Peak memory per rank (line: max over ranks, dots: each rank)")
+    ax.legend(fontsize="small")
+    return fig
+
+
+def _mark_failures(ax, frame: pd.DataFrame) -> None:
+    failed = frame[frame["status"].isin(["oom", "error", "timeout"])]
+    if len(failed):
+        ax.scatter(failed["seq_len"], [0.97] * len(failed), marker="x", color="red", s=60,
+                   transform=ax.get_xaxis_transform(), label="out of memory / error / timeout")
+
+
+def time_figure(frame: pd.DataFrame) -> Figure:
+    """Median step time (p10–p90 bars) and tokens/s vs sequence length."""
+    fig = Figure(figsize=(12, 5), layout="constrained")
+    step_ax, tps_ax = fig.subplots(1, 2)
+    ok = _ok(frame)
+    if ok.empty:
+        _empty(step_ax, "no point finished ok")
+        _empty(tps_ax, "")
+        return fig
+    for config in ordered_configs(ok):
+        p = ok[ok["config"] == config]
+        median = p["step_time_median_s"] * 1e3
+        spread = [median - p["step_time_p10_s"] * 1e3, p["step_time_p90_s"] * 1e3 - median]
+        step_ax.errorbar(p["seq_len"], median, yerr=np.clip(np.asarray(spread, dtype=float), 0, None),
+                         marker="o", capsize=3, label=config)
+        tps_ax.plot(p["seq_len"], p["tokens_per_s"], marker="o", label=config)
+    for ax, label in ((step_ax, "step time, median (ms; bars p10–p90)"), (tps_ax, "tokens / s")):
+        _seq_axis(ax)
+        ax.set_ylabel(label)
+        ax.legend(fontsize="small")
+    return fig
+
+
+def scaling_figure(frame: pd.DataFrame) -> Figure:
+    """Speed-up and memory ratio against cp=1 of the same point, vs sequence length."""
+    fig = Figure(figsize=(12, 5), layout="constrained")
+    speed_ax, mem_ax = fig.subplots(1, 2)
+    ratios = ratios_vs_cp1(frame).sort_values("seq_len")
+    if ratios.empty:
+        _empty(speed_ax, "no cp > 1 point has an ok cp=1 counterpart")
+        _empty(mem_ax, "")
+        return fig
+    for config in dict.fromkeys(ratios["config"]):
+        r = ratios[ratios["config"] == config]
+        speed_ax.plot(r["seq_len"], r["speedup"], marker="o", label=config)
+        line = mem_ax.plot(r["seq_len"], r["memory_ratio"], marker="o", label=f"{config}: peak")[0]
+        mem_ax.plot(r["seq_len"], r["activations_ratio"], marker=".", linestyle=":", color=line.get_color(),
+                    label=f"{config}: activations")
+    speed_ax.axhline(1.0, color="grey", linestyle="--")
+    for cp in sorted(ratios["cp_size"].unique()):
+        mem_ax.axhline(1.0 / cp, color="grey", linestyle="--", label=f"ideal activations 1/{cp}")
+    speed_ax.set_ylabel("speed-up vs cp=1 (cp=1 step time / step time)")
+    mem_ax.set_ylabel("memory vs cp=1 (ratio of per-rank peaks)")
+    for ax in (speed_ax, mem_ax):
+        _seq_axis(ax)
+        ax.legend(fontsize="small")
+    return fig
+
+
+def breakdown_figure(frame: pd.DataFrame) -> Figure:
+    """The peak of the highest rank split into parameters, gradients, optimizer state and activations."""
+    ok = _ok(frame)
+    fig = Figure(figsize=(max(8, 0.5 * len(ok) + 2), 5), layout="constrained")
+    ax = fig.add_subplot()
+    if ok.empty:
+        _empty(ax, "no point finished ok")
+        return fig
+    ok = ok.sort_values(["config", "seq_len"])
+    x = np.arange(len(ok))
+    bottom = np.zeros(len(ok))
+    for column, label in BREAKDOWN:
+        values = ok[column].fillna(0).to_numpy(dtype=float) / GIB
+        ax.bar(x, values, bottom=bottom, label=label)
+        bottom += values
+    ax.set_xticks(x, [f"{c}\n{s}" for c, s in zip(ok["config"], ok["seq_len"])], rotation=90, fontsize="small")
+    ax.set_ylabel("GiB (rank with the highest peak)")
+    ax.set_title("Memory breakdown at the peak")
+    ax.legend(fontsize="small")
+    return fig
+
+
+def parity_figure(frame: pd.DataFrame) -> Figure:
+    """Each point's loss, logits and gradient error as a fraction of its tolerance (log; 1 = the tolerance)."""
+    judged = with_config(frame[frame["parity_status"].isin(["pass", "fail"])]).sort_values(["config", "seq_len"])
+    fig = Figure(figsize=(max(8, 0.5 * len(judged) + 2), 5), layout="constrained")
+    ax = fig.add_subplot()
+    if judged.empty:
+        _empty(ax, "no point has a parity verdict")
+        return fig
+    x = np.arange(len(judged))
+    for offset, (error, tolerance, label) in zip((-0.2, 0.0, 0.2), PARITY):
+        fraction = (judged[error] / judged[tolerance]).to_numpy(dtype=float)
+        ax.scatter(x + offset, np.clip(np.nan_to_num(fraction, nan=FLOOR), FLOOR, None), label=label)
+    failed = np.flatnonzero(judged["parity_status"].to_numpy() == "fail")
+    if len(failed):
+        ax.scatter(failed, [1.5] * len(failed), marker="x", color="red", s=80, label="parity failed")
+    ax.axhline(1.0, color="red", linestyle="--", label="tolerance")
+    ax.set_yscale("log")
+    ax.set_ylabel(f"error / tolerance (0 drawn at {FLOOR:g})")
+    ax.set_xticks(x, [f"{c}\n{s}" for c, s in zip(judged["config"], judged["seq_len"])], rotation=90, fontsize="small")
+    ax.set_title("Parity against the unsharded reference")
+    ax.legend(fontsize="small")
+    return fig
+
+
+def fit_figure(frame: pd.DataFrame) -> Figure:
+    """The largest sequence length that finished ok, per configuration."""
+    fits = largest_fit(frame)
+    fig = Figure(figsize=(8, 0.5 * len(fits) + 2), layout="constrained")
+    ax = fig.add_subplot()
+    if fits.empty or fits["largest_ok_seq_len"].isna().all():
+        _empty(ax, "no point finished ok")
+        return fig
+    y = np.arange(len(fits))
+    ax.barh(y, fits["largest_ok_seq_len"].fillna(0).astype(float))
+    for i, (ok, failed) in enumerate(zip(fits["largest_ok_seq_len"], fits["first_failed_seq_len"])):
+        note = f"{ok}" if pd.notna(ok) else "none"
+        note += f"  (failed at {failed})" if pd.notna(failed) else "  (no failure in the sweep)"
+        ax.text(0, i, " " + note, va="center", fontsize="small")
+    ax.set_yticks(y, fits["config"])
+    ax.set_xlabel("largest sequence length that fits (tokens)")
+    return fig
+
+
+FIGURES = {"memory": memory_figure, "time": time_figure, "scaling": scaling_figure,
+           "memory_breakdown": breakdown_figure, "parity": parity_figure, "largest_fit": fit_figure}
+
+
+def save_all(frame: pd.DataFrame, out_dir: str | Path, capacity: float | None = None) -> dict[str, Path]:
+    """Every figure as `<out_dir>/<name>.png`; returns name -> path."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for name, draw in FIGURES.items():
+        fig = draw(frame, capacity) if name == "memory" else draw(frame)
+        paths[name] = out_dir / f"{name}.png"
+        fig.savefig(paths[name], dpi=100)
+    return paths
