@@ -18,7 +18,7 @@ from .config import DistributedConfig
 from .layout import SequenceLayout
 from .loss import cp_causal_lm_loss
 from .mesh import CPDeviceMesh, build_mesh
-from .plan import ResolvedPlan, attention_style, default_cp_plan, merge_plan, resolve_plan
+from .plan import ResolvedPlan, attention_style, default_cp_plan, merge_plan, refusal_reason, resolve_plan
 from .split import make_split_hook
 
 
@@ -32,17 +32,23 @@ def wants_cp(config) -> bool:
     return isinstance(config, DistributedConfig) and config.cp_size > 1
 
 
-def check_model_class(model_cls: type) -> None:
+def check_model_class(model_cls: type, model_type: str | None = None) -> None:
     if getattr(model_cls, "_supports_context_parallel", True) is False:
         raise ValueError(
             f"`{model_cls.__name__}` sets `_supports_context_parallel = False`: its layers need inputs that a "
             "sequence cut would break. Set `cp_size=1`."
         )
+    reason = refusal_reason(model_type) if model_type else None
+    if reason:
+        raise ValueError(
+            f"`{model_cls.__name__}` (model_type={model_type!r}) cannot use context parallelism: {reason}, which a "
+            "sequence cut would silently break. It has no `cp_plan`; set `cp_size=1`."
+        )
 
 
 def prepare(model_cls: type, config: DistributedConfig, device_map=None):
     """Initialises torch.distributed and the 5-D mesh; returns what transformers' `prepare_distribute_model` does."""
-    check_model_class(model_cls)
+    check_model_class(model_cls, getattr(getattr(model_cls, "config_class", None), "model_type", None))
     device = hf_compat.init_distributed()
     return config, (device_map if device_map is not None else device), build_mesh(config, device.type)
 
@@ -58,7 +64,7 @@ def model_cp_plan(model: torch.nn.Module, config: DistributedConfig | None = Non
 
 
 def resolve_for(model: torch.nn.Module, config: DistributedConfig) -> ResolvedPlan:
-    check_model_class(type(model))
+    check_model_class(type(model), model.config.model_type)
     names = [n for n, _ in model.named_modules()]
     plan = resolve_plan(model_cp_plan(model, config), names, cp_size=config.cp_size, model_name=type(model).__name__)
     for name, style_name in plan.attention_modules.items():

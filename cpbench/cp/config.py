@@ -41,13 +41,13 @@ class DistributedConfig(HFDistributedConfig):
             raise TypeError(
                 f"`cp_plan` must be a dict mapping module patterns to style names, got {type(self.cp_plan).__name__}."
             )
-        super().__post_init__()
-        if self.cp_size > 1:
+        if self.cp_size > 1:  # before transformers' checks, whose messages don't know about cp
             self._refuse_unsupported_combinations()
+        super().__post_init__()
 
     def _refuse_unsupported_combinations(self) -> None:
         for name in ("pp_size", "tp_size", "ep_size"):
-            value = getattr(self, name)
+            value = getattr(self, name) or 1
             if value > 1:
                 raise ValueError(
                     f"`{name}={value}` together with `cp_size={self.cp_size}` is not supported yet: cpbench composes "

@@ -15,22 +15,33 @@ from .styles import STYLES, AttentionStyle, SplitStyle, StyleRegistry
 
 DEFAULT_BASE_MODEL_CP_PLAN = {"layers.*": "cp_split_sequence", "layers.*.self_attn": "cp_ulysses"}
 
-# model_type -> base-model plan, or None for families whose layers take other full-sequence inputs (per-layer
-# inputs, cross-attention states, shared KV across layers) that a sequence cut would silently break.
-# Only families checked against their modeling code are listed; others need an explicit `cp_plan`.
-FAMILY_CP_PLANS: dict[str, dict[str, str] | None] = {
+# model_type -> base-model plan, for the families checked against their modeling code. Others need an explicit
+# `cp_plan` (or `config.base_model_cp_plan`).
+FAMILY_CP_PLANS: dict[str, dict[str, str]] = {
     "llama": DEFAULT_BASE_MODEL_CP_PLAN,
     "mistral": DEFAULT_BASE_MODEL_CP_PLAN,
     "qwen2": DEFAULT_BASE_MODEL_CP_PLAN,
     "qwen3": DEFAULT_BASE_MODEL_CP_PLAN,
     "gemma3_text": DEFAULT_BASE_MODEL_CP_PLAN,
-    "gemma3n": None,
-    "gemma3n_text": None,
-    "gemma4": None,
-    "gemma4_text": None,
-    "beam": None,
-    "ministral3": None,
 }
+
+# Families whose decoder layers take other full-sequence inputs (per-layer inputs, cross-attention states, KV
+# shared across layers): a sequence cut would silently break them, so they are refused even with a `cp_plan`.
+REFUSED_FAMILIES: dict[str, str] = {
+    "gemma3n": "its layers take per-layer inputs and share KV across layers",
+    "gemma4": "its layers take per-layer inputs and share KV across layers",
+    "beam": "its layers take full-sequence inputs besides hidden_states",
+    "ministral3": "its layers take full-sequence inputs besides hidden_states",
+}
+
+
+def refusal_reason(model_type: str) -> str | None:
+    """Why a family cannot be context-parallel, or None. Families derived from a refused one (e.g.
+    `gemma4_text`, `gemma3n_text`) are refused with it."""
+    for family, reason in REFUSED_FAMILIES.items():
+        if model_type == family or model_type.startswith(family + "_"):
+            return reason
+    return None
 
 
 @dataclass(frozen=True)
@@ -101,13 +112,13 @@ def resolve_plan(
         )
 
     split, attention = [], {}
-    patterns = [(_pattern(k), registry.get(s)) for k, s in plan.items()]
+    patterns = [(_pattern(k), k, registry.get(s)) for k, s in plan.items()]
     for name in module_names:
-        # The most specific (longest) matching key wins, as in transformers' plans.
-        matches = [(p.pattern, s) for p, s in patterns if p.fullmatch(name)]
+        # The most specific matching key wins: a literal layer number beats `*`, then the longer key.
+        matches = [(k, s) for p, k, s in patterns if p.fullmatch(name)]
         if not matches:
             continue
-        style = max(matches, key=lambda m: len(m[0]))[1]
+        style = max(matches, key=lambda m: (-m[0].count("*"), len(m[0])))[1]
         if isinstance(style, SplitStyle):
             split.append(name)
         else:
@@ -117,6 +128,7 @@ def resolve_plan(
         raise _no_plan_error(cp_size, model_name, "has a `cp_plan` without a sequence-split style")
     if not attention:
         raise _no_plan_error(cp_size, model_name, "has a `cp_plan` without an attention style")
+    _check_nesting(split, attention)
     layouts = {registry.get(s).layout for s in attention.values()}
     if len(layouts) > 1:
         raise ValueError(
@@ -124,6 +136,22 @@ def resolve_plan(
             "must hold the same tokens. Use one layout for all attention modules."
         )
     return ResolvedPlan(tuple(split), attention, layouts.pop())
+
+
+def _check_nesting(split: list[str], attention: dict[str, str]) -> None:
+    """Every cut layer must exchange tokens in its attention, and every CP attention must see cut inputs."""
+    for layer in split:
+        if not any(a.startswith(layer + ".") for a in attention):
+            raise ValueError(
+                f"`cp_plan` cuts the sequence at `{layer}` but none of its attention modules has an attention style: "
+                "its attention would see only this rank's tokens. Add an attention style for it."
+            )
+    for module in attention:
+        if not any(module.startswith(layer + ".") for layer in split):
+            raise ValueError(
+                f"`cp_plan` gives `{module}` an attention style, but no enclosing decoder layer has a split style "
+                "('cp_split_sequence')."
+            )
 
 
 def _example_names(module_names: list[str]) -> list[str]:

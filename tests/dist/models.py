@@ -83,7 +83,7 @@ def reference(path: str, batch: dict, attn: str, embeds: bool = False) -> dict:
     batch = embeds_batch(model, batch) if embeds else batch
     out = model(**batch, use_cache=False)
     out.loss.backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     return {"loss": out.loss.detach(), "logits": out.logits.detach(), "grads": grads}
 
 
@@ -99,11 +99,14 @@ def full_grads(model) -> dict:
     out = {}
     for name, p in model.named_parameters():
         g = p.grad
-        out[name] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().clone()
+        if g is not None:  # e.g. the embedding when inputs_embeds were passed
+            out[name] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().clone()
     return out
 
 
 def worst_grad_error(grads: dict, ref: dict) -> tuple[float, str]:
+    if set(grads) != set(ref):
+        return float("inf"), f"different parameters have gradients: {sorted(set(grads) ^ set(ref))}"
     worst, where = 0.0, ""
     for name, g in grads.items():
         r = ref[name]

@@ -1,0 +1,202 @@
+"""Memory and time probes for one rank.
+
+Memory is measured in *segments* (`with probe.segment(): ...`); the point's peak is the max over segments, so
+work that is not part of training (the parity capture, the reference) can run between segments uncounted.
+
+- CPU: `torch.distributed._tools.mem_tracker.MemTracker`, a dispatch-mode tracker of live tensor storages
+  (it also follows `UntypedStorage.resize_`, which FSDP2 uses to (un)shard parameters). Its snapshot at the
+  peak gives the breakdown into parameters, gradients, optimizer state and activations. A memory budget is
+  enforced as a device would: the allocation that takes the live bytes past it raises `torch.OutOfMemoryError`.
+  The tracker slows every op, so timed steps run outside any segment.
+- CUDA: the caching allocator's peaks (reset per segment), alloc retries, and an NVML sampler of the device's
+  used memory in a background thread. The breakdown is the at-rest size of parameters, gradients and
+  optimizer state; activations are the rest of the peak. A budget caps the allocator
+  (`set_per_process_memory_fraction`).
+- Both: the RSS high-water mark of the process, reset per point where Linux allows (`/proc/self/clear_refs`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import resource
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+BREAKDOWN = ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes")
+
+
+def _mem_tracker_class():
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class BudgetMemTracker(MemTracker):
+        """MemTracker that raises torch.OutOfMemoryError when live bytes pass `budget`."""
+
+        budget: int | None = None
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            if self.budget is not None:
+                for snap in self._curr_mem_snap.values():
+                    if snap["Total"] > self.budget:
+                        raise torch.OutOfMemoryError(
+                            f"live tensor bytes {snap['Total']} passed the memory budget of {self.budget} bytes "
+                            f"(at {func})"
+                        )
+            return out
+
+    return BudgetMemTracker
+
+
+class CpuMemoryProbe:
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, budget: int | None):
+        self.tracker = _mem_tracker_class()()
+        self.tracker.budget = budget
+        self.tracker.track_external(model, optimizer)
+        self.peak: dict[str, int] = {"Total": 0}
+
+    @contextlib.contextmanager
+    def segment(self):
+        with self.tracker:
+            yield
+        for snap in self.tracker.get_tracker_snapshot("peak").values():
+            if snap["Total"] > self.peak["Total"]:
+                self.peak = dict(snap)
+
+    def result(self) -> dict:
+        p = self.peak
+        params = p.get("Parameter", 0) + p.get("Buffer", 0)
+        grads, opt = p.get("Gradient", 0), p.get("Optstate", 0)
+        return {
+            "peak_bytes": p["Total"], "reserved_bytes": None, "alloc_retries": None, "device_peak_bytes": None,
+            "params_bytes": params, "grads_bytes": grads, "optimizer_bytes": opt,
+            "activations_bytes": p["Total"] - params - grads - opt,
+            "breakdown_source": "MemTracker snapshot at the peak",
+        }
+
+
+class CudaMemoryProbe:
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, budget: int | None):
+        self.model, self.optimizer = model, optimizer
+        self.device = torch.cuda.current_device()
+        if budget is not None:
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), self.device)
+        self.peak = self.reserved = 0
+        self.sampler = NvmlSampler(self.device)
+        torch.cuda.reset_accumulated_memory_stats(self.device)
+
+    @contextlib.contextmanager
+    def segment(self):
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        with self.sampler:
+            yield
+            torch.cuda.synchronize(self.device)
+        self.peak = max(self.peak, torch.cuda.max_memory_allocated(self.device))
+        self.reserved = max(self.reserved, torch.cuda.max_memory_reserved(self.device))
+
+    def result(self) -> dict:
+        params = _local_bytes(p for p in self.model.parameters())
+        grads = params  # at rest after backward every parameter has a gradient of its own size
+        opt = _local_bytes(t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t))
+        return {
+            "peak_bytes": self.peak, "reserved_bytes": self.reserved,
+            "alloc_retries": torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0),
+            "device_peak_bytes": self.sampler.peak,
+            "params_bytes": params, "grads_bytes": grads, "optimizer_bytes": opt,
+            "activations_bytes": max(0, self.peak - params - grads - opt),
+            "breakdown_source": "at-rest sizes; activations = peak - the rest",
+        }
+
+
+def _local_bytes(tensors) -> int:
+    total = 0
+    for t in tensors:
+        t = t.to_local() if hasattr(t, "to_local") else t
+        total += t.numel() * t.element_size()
+    return total
+
+
+class NvmlSampler:
+    """Samples the device's used memory (all processes) every `interval_s` while entered; keeps the max."""
+
+    def __init__(self, device_index: int, interval_s: float = 0.005):
+        self.peak: int | None = None
+        self.interval_s = interval_s
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._handle = pynvml.nvmlDeviceGetHandleByIndex(device_index)
+            self._read = lambda: pynvml.nvmlDeviceGetMemoryInfo(self._handle).used
+        except Exception as e:  # noqa: BLE001 - NVML is optional: no driver library means a null column
+            self._read = None
+            self.error = f"NVML unavailable: {e}"
+
+    def __enter__(self):
+        if self._read is None:
+            return self
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+        return self
+
+    def _loop(self):
+        while not self._stop.is_set():
+            used = self._read()
+            self.peak = used if self.peak is None else max(self.peak, used)
+            time.sleep(self.interval_s)
+
+    def __exit__(self, *exc):
+        if self._read is not None:
+            self._stop.set()
+            self._thread.join()
+        return False
+
+
+def memory_probe(device: str, model, optimizer, budget: int | None):
+    cls = CudaMemoryProbe if device == "cuda" else CpuMemoryProbe
+    return cls(model, optimizer, budget)
+
+
+_CLEAR_REFS = Path("/proc/self/clear_refs")
+_STATUS = Path("/proc/self/status")
+
+
+def reset_rss_peak() -> bool:
+    """Resets the RSS high-water mark (Linux >= 4.0). False where the OS does not allow it."""
+    try:
+        _CLEAR_REFS.write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def rss_peak_bytes() -> int:
+    """VmHWM of this process (reset by `reset_rss_peak`), else getrusage's lifetime max."""
+    if _STATUS.exists():
+        for line in _STATUS.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class StepTimer:
+    """Wall time of each step; CUDA work is synchronized before the clock is read."""
+
+    def __init__(self, device: str):
+        self.cuda = device == "cuda"
+        self.times_s: list[float] = []
+
+    @contextlib.contextmanager
+    def step(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        yield
+        if self.cuda:
+            torch.cuda.synchronize()
+        self.times_s.append(time.perf_counter() - t0)

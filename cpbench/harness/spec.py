@@ -1,0 +1,286 @@
+"""Suites: a TOML file -> a validated `Suite` -> its `Point`s.
+
+A suite is one grid: every combination of `seq_lens` x `cp_sizes` x `attn_implementations` x `cp_styles`
+(at cp_size 1 the style is `none`, so styles collapse) with the fixed settings of the file. Everything that can
+be checked without launching is checked here, and each error names the field, the value and the fix.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import json
+import re
+import tomllib
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+from cpbench.report.schema import KEY_COLUMNS
+
+from .presets import check_overrides, get_preset
+
+BACKENDS = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3")
+CUDA_ONLY_BACKENDS = ("flash_attention_2", "flash_attention_3")
+# cpbench's documented attention styles. A documented style that this install has not registered yet is
+# `skipped` (with why) rather than refused, so a suite can name a style before its implementation lands.
+DOCUMENTED_STYLES = ("cp_ulysses", "cp_ring", "cp_ring_zigzag")
+DTYPES = ("float32", "bfloat16", "float16")
+DEVICES = ("cpu", "cuda")
+BATCH_KINDS = ("plain", "packed", "padded")
+PARITY_MODES = ("auto", "full", "projected", "off")
+FAULTS = ("crash", "hang")  # injected by cpbench's own tests only (see `Suite.faults`)
+NO_STYLE = "none"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Suite:
+    """One sweep definition. See suites/*.toml for the documented format."""
+
+    name: str
+    model: str
+    seq_lens: tuple[int, ...]
+    cp_sizes: tuple[int, ...] = (1, 2)
+    attn_implementations: tuple[str, ...] = ("sdpa",)
+    cp_styles: tuple[str, ...] = ("cp_ulysses",)
+    description: str = ""
+    model_overrides: dict = field(default_factory=dict)
+    world_size: int | None = None  # when set, fsdp_size = world_size / (cp_size * dp_replicate_size)
+    fsdp_size: int = 1
+    dp_replicate_size: int = 1
+    dtype: str = "float32"
+    device: str = "cpu"
+    batch_size: int = 1
+    batch_kind: str = "plain"
+    warmup_steps: int = 1
+    measured_steps: int = 3
+    parity: str = "auto"
+    timeout_s: float = 300.0
+    seed: int = 0
+    memory_budget: str | None = None
+    # point-id glob -> "crash" | "hang". Only honoured when loaded with allow_faults=True (the test hook,
+    # `cpbench sweep --allow-faults`); a fault is recorded in the point's spec_json.
+    faults: dict = field(default_factory=dict)
+
+    def points(self) -> list["Point"]:
+        return expand(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Point:
+    suite: str
+    model: str  # the preset name, with overrides spelled out when there are any
+    preset: str
+    model_overrides: dict
+    seq_len: int
+    batch_size: int
+    batch_kind: str
+    cp_size: int
+    fsdp_size: int
+    dp_replicate_size: int
+    world_size: int
+    attn_implementation: str
+    cp_style: str
+    dtype: str
+    device: str
+    warmup_steps: int
+    measured_steps: int
+    parity_mode: str
+    timeout_s: float
+    seed: int
+    fault: str | None = None
+
+    @property
+    def point_id(self) -> str:
+        parts = [self.model, f"s{self.seq_len}", f"cp{self.cp_size}", self.attn_implementation, self.cp_style]
+        if self.fsdp_size > 1:
+            parts.append(f"fsdp{self.fsdp_size}")
+        if self.dp_replicate_size > 1:
+            parts.append(f"dpr{self.dp_replicate_size}")
+        if self.batch_size != 1 or self.batch_kind != "plain":
+            parts.append(f"b{self.batch_size}{self.batch_kind}")
+        return "/".join(parts) + (f"/{self.dtype}" if self.dtype != "float32" else "")
+
+    @property
+    def point_key(self) -> str:
+        return key_hash({c: getattr(self, c) for c in KEY_COLUMNS})
+
+    @property
+    def family_key(self) -> str:
+        """The point without its length: longer points of an out-of-memory family are skipped."""
+        return key_hash({c: getattr(self, c) for c in KEY_COLUMNS if c != "seq_len"})
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Point":
+        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
+
+
+def key_hash(values: dict) -> str:
+    return hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _err(field_name: str, value, fix: str) -> ValueError:
+    return ValueError(f"suite field `{field_name}` = {value!r}: {fix}")
+
+
+def load_suite(source: str | Path, *, text: str | None = None, allow_faults: bool = False) -> Suite:
+    """Reads and validates a suite file (or `text`, named `source`)."""
+    raw = tomllib.loads(text if text is not None else Path(source).read_text())
+    known = {f.name for f in fields(Suite)}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ValueError(f"{source}: unknown suite fields {unknown}. Known fields: {sorted(known)}.")
+    for name in ("seq_lens", "cp_sizes", "attn_implementations", "cp_styles"):
+        if name in raw:
+            if not isinstance(raw[name], list) or not raw[name]:
+                raise _err(name, raw[name], "give a non-empty list, e.g. [1, 2] or [\"sdpa\"].")
+            raw[name] = tuple(raw[name])
+    if "name" not in raw:
+        raw["name"] = Path(str(source)).stem
+    for name in ("model", "seq_lens"):
+        if name not in raw:
+            raise ValueError(f"{source}: suite field `{name}` is required (e.g. model = \"tiny-qwen3\").")
+    suite = Suite(**raw)
+    validate(suite, allow_faults=allow_faults)
+    return suite
+
+
+def validate(suite: Suite, *, allow_faults: bool = False) -> None:
+    if not re.fullmatch(r"[A-Za-z0-9._-]+", suite.name):
+        raise _err("name", suite.name, "use letters, digits, '.', '_' or '-' (it names a results folder).")
+    preset = get_preset(suite.model)
+    check_overrides(preset, suite.model_overrides)
+    _check_choice("device", suite.device, DEVICES)
+    _check_choice("dtype", suite.dtype, DTYPES)
+    _check_choice("batch_kind", suite.batch_kind, BATCH_KINDS)
+    _check_choice("parity", suite.parity, PARITY_MODES)
+    for name in ("batch_size", "measured_steps", "warmup_steps", "fsdp_size", "dp_replicate_size"):
+        minimum = 0 if name == "warmup_steps" else 1
+        value = getattr(suite, name)
+        if not isinstance(value, int) or value < minimum:
+            raise _err(name, value, f"must be an integer >= {minimum}.")
+    if not isinstance(suite.timeout_s, (int, float)) or suite.timeout_s <= 0:
+        raise _err("timeout_s", suite.timeout_s, "must be a positive number of seconds.")
+    config = preset.config(suite.model_overrides)
+    _check_lengths(suite, config)
+    _check_backends(suite)
+    _check_styles(suite, config)
+    _check_world(suite)
+    _check_faults(suite, allow_faults)
+    if suite.memory_budget is not None:
+        parse_bytes(suite.memory_budget, field_name="memory_budget")
+
+
+def _check_choice(name: str, value, choices) -> None:
+    if value not in choices:
+        raise _err(name, value, f"use one of {list(choices)}.")
+
+
+def _check_lengths(suite: Suite, config) -> None:
+    for s in suite.seq_lens:
+        if not isinstance(s, int) or s < 2:
+            raise _err("seq_lens", list(suite.seq_lens), "every length must be an integer >= 2 (tokens).")
+        if s > config.max_position_embeddings:
+            raise _err(
+                "seq_lens", s, f"exceeds the model's max_position_embeddings={config.max_position_embeddings}; "
+                "drop it or raise it with model_overrides = {max_position_embeddings = ...}.",
+            )
+
+
+def _check_backends(suite: Suite) -> None:
+    for b in suite.attn_implementations:
+        _check_choice("attn_implementations", b, BACKENDS)
+        if b in CUDA_ONLY_BACKENDS and suite.device != "cuda":
+            raise _err("attn_implementations", b, "needs device = \"cuda\"; use eager or sdpa on CPU.")
+
+
+def _check_styles(suite: Suite, config) -> None:
+    from cpbench.cp import STYLES, AttentionStyle
+
+    registered = [n for n in STYLES.names() if isinstance(STYLES.get(n), AttentionStyle)]
+    for style in suite.cp_styles:
+        if style not in registered and style not in DOCUMENTED_STYLES:
+            raise _err("cp_styles", style, f"is not a CP attention style; use one of {sorted(set(registered) | set(DOCUMENTED_STYLES))}.")
+    heads = config.num_attention_heads
+    for cp in suite.cp_sizes:
+        if not isinstance(cp, int) or cp < 1:
+            raise _err("cp_sizes", cp, "every cp size must be an integer >= 1.")
+        if cp > 1 and "cp_ulysses" in suite.cp_styles and heads % cp:
+            raise _err(
+                "cp_sizes", cp, f"cp_ulysses shards the {heads} query heads of {suite.model} over the cp group, "
+                f"and {cp} does not divide {heads}. Use cp sizes that divide {heads}, or drop cp_ulysses from "
+                "`cp_styles` (the ring styles serve any head count).",
+            )
+
+
+def _check_world(suite: Suite) -> None:
+    if suite.world_size is None:
+        return
+    for cp in suite.cp_sizes:
+        if suite.world_size % (cp * suite.dp_replicate_size):
+            raise _err(
+                "cp_sizes", cp, f"cp_size x dp_replicate_size = {cp * suite.dp_replicate_size} does not divide "
+                f"world_size = {suite.world_size}. Use cp sizes that divide the world, or change world_size.",
+            )
+
+
+def _check_faults(suite: Suite, allow_faults: bool) -> None:
+    if not suite.faults:
+        return
+    if not allow_faults:
+        raise _err(
+            "faults", suite.faults, "fault injection is for cpbench's own tests; remove the table, or pass "
+            "--allow-faults to `cpbench sweep` if you mean it.",
+        )
+    for pattern, fault in suite.faults.items():
+        _check_choice(f"faults[{pattern!r}]", fault, FAULTS)
+
+
+def expand(suite: Suite) -> list[Point]:
+    """The suite's points, grouped by world size, each configuration's lengths ascending."""
+    overrides = suite.model_overrides
+    model = suite.model + (json.dumps(overrides, sort_keys=True, separators=(",", ":")) if overrides else "")
+    seen, points = set(), []
+    for cp in sorted(suite.cp_sizes):
+        for attn in suite.attn_implementations:
+            for style in (suite.cp_styles if cp > 1 else (NO_STYLE,)):
+                for seq_len in sorted(suite.seq_lens):
+                    p = _point(suite, model, cp, attn, style, seq_len)
+                    if p.point_key not in seen:
+                        seen.add(p.point_key)
+                        points.append(p)
+    return sorted(points, key=lambda p: p.world_size)  # stable: keeps the order above within a world size
+
+
+def _point(suite: Suite, model: str, cp: int, attn: str, style: str, seq_len: int) -> Point:
+    fsdp = suite.fsdp_size
+    world = cp * fsdp * suite.dp_replicate_size
+    if suite.world_size is not None:
+        fsdp = suite.world_size // (cp * suite.dp_replicate_size)
+        world = suite.world_size
+    p = Point(
+        suite=suite.name, model=model, preset=suite.model, model_overrides=dict(suite.model_overrides),
+        seq_len=seq_len, batch_size=suite.batch_size, batch_kind=suite.batch_kind, cp_size=cp, fsdp_size=fsdp,
+        dp_replicate_size=suite.dp_replicate_size, world_size=world, attn_implementation=attn, cp_style=style,
+        dtype=suite.dtype, device=suite.device, warmup_steps=suite.warmup_steps,
+        measured_steps=suite.measured_steps, parity_mode=suite.parity, timeout_s=float(suite.timeout_s),
+        seed=suite.seed,
+    )
+    fault = next((f for pat, f in suite.faults.items() if fnmatch.fnmatchcase(p.point_id, pat)), None)
+    return Point(**{**p.to_dict(), "fault": fault}) if fault else p
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str | int, *, field_name: str = "--memory-budget") -> int:
+    """'80GiB' -> 85899345920. Plain integers are bytes."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"`{field_name}` = {text!r}: write a size like 80GiB, 512MiB, 1.5GB or a number of bytes.")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
