@@ -1,0 +1,32 @@
+"""The README's training loop, as a user runs it: `torchrun --nproc-per-node 2 torchrun_train.py MODEL_DIR`.
+
+Prints one JSON line per rank: the loss of each of three AdamW steps and this rank's logits shape.
+"""
+
+import json
+import sys
+
+import torch
+from transformers import AutoModelForCausalLM
+
+import cpbench
+
+path = sys.argv[1]
+model = AutoModelForCausalLM.from_pretrained(
+    path, attn_implementation="sdpa", dtype=torch.float32,
+    distributed_config=cpbench.DistributedConfig(cp_size=2),
+)
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+torch.manual_seed(0)
+input_ids = torch.randint(0, model.config.vocab_size, (2, 32))
+batch = {"input_ids": input_ids, "labels": input_ids}  # the same full batch on both ranks of the cp group
+losses = []
+for _ in range(3):
+    out = model(**batch)
+    out.loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    losses.append(out.loss.item())
+rank = torch.distributed.get_rank()
+print(json.dumps({"rank": rank, "losses": losses, "logits_shape": list(out.logits.shape)}), flush=True)
+torch.distributed.destroy_process_group()
