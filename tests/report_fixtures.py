@@ -73,7 +73,7 @@ def _row(rng, backend, cp, style, seq_len, oom_cp1_at, steps, noise, run_id) -> 
     row.update(status="ok", wall_s=3.0 + seq_len / 500)
     row.update(_memory(cp, style, seq_len))
     row.update(_timing(rng, cp, seq_len, steps, noise))
-    row.update(_parity(rng, cp))
+    row.update(_parity(cp, seq_len))
     return row
 
 
@@ -103,10 +103,11 @@ def _timing(rng, cp: int, seq_len: int, steps: int, noise: float) -> dict:
             "tokens_per_s": seq_len / float(np.median(samples)), "flops_per_step": 6.0 * NUM_PARAMS * seq_len}
 
 
-def _parity(rng, cp: int) -> dict:
-    scale = 0.0 if cp == 1 else 1.0
+def _parity(cp: int, seq_len: int) -> dict:
+    # deterministic like a real CPU run: the same seeded weights and batch give the same errors in every run
+    scale = 0.0 if cp == 1 else seq_len / 1024
     return {"parity_status": "pass", "loss": 10.4, "ref_loss": 10.4, "loss_rel_err": scale * 3e-7,
-            "logits_max_err": scale * float(rng.uniform(1e-6, 5e-6)), "grad_max_rel_err": scale * float(rng.uniform(1e-6, 2e-5)),
+            "logits_max_err": scale * 2e-6, "grad_max_rel_err": scale * 1e-5,
             "grad_worst_param": "model.layers.0.self_attn.q_proj.weight", "loss_rtol": 1e-5, "logits_atol": 1e-4,
             "grad_rtol": 1e-4}
 

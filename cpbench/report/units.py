@@ -6,6 +6,7 @@ import math
 
 GIB = 1024**3
 MIB = 1024**2
+KIB = 1024
 
 
 def _missing(value) -> bool:
@@ -32,12 +33,13 @@ def gib(num_bytes) -> str:
 
 
 def human_bytes(num_bytes) -> str:
-    """GiB from 1 GiB up, MiB below: for messages about small CPU models."""
+    """The largest of GiB, MiB, KiB, B that keeps the number >= 1: for messages about small CPU models."""
     if _missing(num_bytes):
         return "–"
-    if abs(num_bytes) >= GIB:
-        return f"{sig(num_bytes / GIB)} GiB"
-    return f"{sig(num_bytes / MIB)} MiB"
+    for unit, name in ((GIB, "GiB"), (MIB, "MiB"), (KIB, "KiB")):
+        if abs(num_bytes) >= unit:
+            return f"{sig(num_bytes / unit)} {name}"
+    return f"{num_bytes:.0f} B"
 
 
 def ms(seconds) -> str:
@@ -51,4 +53,5 @@ def change(old, new) -> str:
         return "–"
     if old == 0:
         return "±0%" if new == 0 else "new"
-    return f"{(new - old) / abs(old) * 100:+.1f}%"
+    percent = (new - old) / abs(old) * 100
+    return ("+" if percent > 0 else "") + f"{sig(percent)}%"

@@ -1,0 +1,203 @@
+"""The regression gate: a run against a baseline, point by point (matched on KEY_COLUMNS), per-metric rules.
+
+Fails on any parity failure, a point that was ok and is not any more, a crash that was not there before, a
+metric worse than its rule allows, and a baseline point the run lacks. Refuses (GateRefusal) to compare runs
+of different hardware or schema versions unless told to. Large improvements are listed so the baseline can
+be refreshed on purpose.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pandas as pd
+
+from . import units
+from .gate_rules import Rule
+from .load import schema_versions
+from .schema import KEY_COLUMNS
+from .stats import judge_samples
+
+CRASHES = ("error", "timeout")
+_MISSING = "<null>"  # key columns may be null; nulls must still match each other
+
+
+class GateRefusal(Exception):
+    """The two runs cannot be compared (exit code 2)."""
+
+
+@dataclass(frozen=True)
+class Finding:
+    kind: str      # "fail" | "warn" | "improvement" | "new"
+    point: str
+    what: str      # the metric, or status / parity / missing
+    message: str
+
+
+@dataclass
+class GateResult:
+    findings: list[Finding] = field(default_factory=list)
+    points_checked: int = 0
+
+    def of(self, kind: str) -> list[Finding]:
+        return [f for f in self.findings if f.kind == kind]
+
+    @property
+    def exit_code(self) -> int:
+        return 1 if self.of("fail") else 0
+
+
+def check_comparable(baseline: pd.DataFrame, run: pd.DataFrame, *, allow_hardware_mismatch: bool = False,
+                     allow_schema_mismatch: bool = False) -> None:
+    base_v, run_v = schema_versions(baseline), schema_versions(run)
+    if base_v != run_v and not allow_schema_mismatch:
+        raise GateRefusal(f"schema_version: baseline {base_v}, run {run_v}; refresh the baseline with "
+                          f"--update-baseline (after checking the run), or pass --allow-schema-mismatch")
+    base_hw, run_hw = _values(baseline, "hardware_id"), _values(run, "hardware_id")
+    if base_hw != run_hw and not allow_hardware_mismatch:
+        raise GateRefusal(f"hardware_id: baseline {base_hw}, run {run_hw}; memory and time are only comparable on "
+                          f"the same hardware — gate against a baseline recorded there, or pass --allow-hardware-mismatch")
+
+
+def _values(frame: pd.DataFrame, column: str) -> list[str]:
+    return sorted({str(v) for v in frame[column].dropna()})
+
+
+def gate(baseline: pd.DataFrame, run: pd.DataFrame, rules: list[Rule]) -> GateResult:
+    result = GateResult()
+    for name, frame in (("baseline", baseline), ("run", run)):
+        _refuse_duplicates(frame, name)
+    merged = _keyed(baseline).merge(_keyed(run), on="_key", how="outer", suffixes=("_b", "_r"), indicator=True)
+    for _, pair in merged.iterrows():
+        if pair["_merge"] == "left_only":
+            result.findings.append(Finding("fail", pair["point_id_b"], "missing",
+                                           "baseline point is missing from the run (not run, or its spec changed)"))
+            continue
+        row = _side(pair, "_r")
+        if pair["_merge"] == "right_only":
+            result.findings.append(Finding("new", row["point_id"], "new", "not in the baseline"))
+            result.findings += _parity_failure(row) + _new_crash(row)
+            continue
+        result.points_checked += 1
+        result.findings += _judge_point(_side(pair, "_b"), row, rules)
+    return result
+
+
+def _refuse_duplicates(frame: pd.DataFrame, name: str) -> None:
+    dup = frame[_keyed(frame)["_key"].duplicated(keep=False).to_numpy()]
+    if len(dup):
+        raise GateRefusal(f"{name}: holds the same point more than once ({sorted(set(dup['point_id']))}); "
+                          f"remove the duplicate rows or rerun the sweep")
+
+
+def _keyed(frame: pd.DataFrame) -> pd.DataFrame:
+    key = frame[list(KEY_COLUMNS)].astype(object).where(frame[list(KEY_COLUMNS)].notna(), _MISSING).astype(str)
+    return frame.assign(_key=key.agg("|".join, axis=1) if len(frame) else pd.Series(dtype=str))
+
+
+def _side(pair: pd.Series, suffix: str) -> pd.Series:
+    return pd.Series({k[: -len(suffix)]: v for k, v in pair.items() if k.endswith(suffix)})
+
+
+def _judge_point(base: pd.Series, run: pd.Series, rules: list[Rule]) -> list[Finding]:
+    point = run["point_id"]
+    findings = _status_change(base, run) + _parity_failure(run) + _parity_regression(base, run)
+    if base["status"] == "ok" and run["status"] == "ok":
+        for rule in rules:
+            finding = _judge_metric(point, base[rule.metric], run[rule.metric], rule)
+            if finding:
+                findings.append(finding)
+    return findings
+
+
+def _status_change(base: pd.Series, run: pd.Series) -> list[Finding]:
+    old, new = base["status"], run["status"]
+    if old == new:
+        return [Finding("warn", run["point_id"], "status", f"still {new} (as in the baseline)")] if new in CRASHES else []
+    detail = f" ({run['status_detail']})" if isinstance(run["status_detail"], str) else ""
+    if old == "ok" or new in CRASHES:
+        return [Finding("fail", run["point_id"], "status", f"status {old} → {new}{detail}")]
+    if new == "ok":
+        return [Finding("improvement", run["point_id"], "status", f"status {old} → ok")]
+    return [Finding("warn", run["point_id"], "status", f"status {old} → {new}{detail}")]
+
+
+def _new_crash(run: pd.Series) -> list[Finding]:
+    if run["status"] not in CRASHES:
+        return []
+    detail = f" ({run['status_detail']})" if isinstance(run["status_detail"], str) else ""
+    return [Finding("fail", run["point_id"], "status", f"new point ended {run['status']}{detail}")]
+
+
+def _parity_failure(run: pd.Series) -> list[Finding]:
+    if run["parity_status"] != "fail":
+        return []
+    errors = [f"{err} {units.sig(run[err], 2)} (tolerance {units.sig(run[tol], 2)})"
+              for err, tol in (("loss_rel_err", "loss_rtol"), ("logits_max_err", "logits_atol"),
+                               ("grad_max_rel_err", "grad_rtol")) if pd.notna(run[err])]
+    worst = f", worst parameter {run['grad_worst_param']}" if isinstance(run["grad_worst_param"], str) else ""
+    detail = f"{run['parity_detail']}: " if isinstance(run["parity_detail"], str) else ""
+    return [Finding("fail", run["point_id"], "parity", f"parity failed: {detail}{'; '.join(errors)}{worst}")]
+
+
+def _parity_regression(base: pd.Series, run: pd.Series) -> list[Finding]:
+    if base["parity_status"] != "pass" or run["status"] != "ok" or run["parity_status"] in ("pass", "fail"):
+        return []
+    detail = f" ({run['parity_detail']})" if isinstance(run["parity_detail"], str) else ""
+    return [Finding("fail", run["point_id"], "parity", f"parity pass → {run['parity_status']}{detail}")]
+
+
+def _judge_metric(point: str, old, new, rule: Rule) -> Finding | None:
+    if rule.samples:
+        return _judge_sample_metric(point, old, new, rule)
+    if pd.isna(old) or pd.isna(new):
+        if pd.notna(old):
+            return Finding("warn", point, rule.metric, f"{rule.metric}: {_fmt(rule.metric, old)} → missing")
+        return None
+    delta = float(new) - float(old)
+    worse = delta if rule.direction == "lower" else -delta
+    if abs(delta) <= rule.abs_threshold:
+        return None
+    rel = worse / abs(old) if old else float("inf")
+    text = (f"{rule.metric}: {_fmt(rule.metric, old)} → {_fmt(rule.metric, new)} "
+            f"({units.change(old, new)}, {'+' if delta > 0 else ''}{_fmt(rule.metric, delta)})")
+    if rel > rule.threshold:
+        return Finding(rule.action, point, rule.metric, f"{text}; rule: {rule.direction} is better, "
+                                                        f"at most {rule.threshold * 100:+.1f}% the other way")
+    if rule.improvement and -rel >= rule.improvement:
+        return Finding("improvement", point, rule.metric, text)
+    return None
+
+
+def _judge_sample_metric(point: str, old, new, rule: Rule) -> Finding | None:
+    if old is None or new is None or len(old) == 0 or len(new) == 0:
+        return None
+    verdict = judge_samples(old, new, rule)
+    text = (f"{rule.metric}: median {_fmt(rule.metric, pd.Series(old).median())} → "
+            f"{_fmt(rule.metric, pd.Series(new).median())} (×{verdict.ratio:.3f}; {verdict.evidence})")
+    if verdict.worse:
+        return Finding(rule.action, point, rule.metric, f"{text}; rule: at most ×{1 + rule.threshold:.2f}")
+    if verdict.better:
+        return Finding("improvement", point, rule.metric, text)
+    return None
+
+
+def _fmt(metric: str, value) -> str:
+    if metric.endswith("_bytes"):
+        return units.human_bytes(float(value))
+    if metric.endswith("_s"):
+        return units.ms(float(value))
+    return units.sig(float(value))
+
+
+def render(result: GateResult, baseline_label: str, run_label: str) -> str:
+    fails, warns = result.of("fail"), result.of("warn")
+    verdict = f"FAIL: {len(fails)} regression(s)" if fails else "PASS"
+    lines = [f"gate {verdict} — {result.points_checked} point(s) of {run_label} checked against {baseline_label}"]
+    sections = (("Regressions", fails), ("Warnings", warns),
+                ("Improvements (refresh the baseline on purpose: --update-baseline)", result.of("improvement")),
+                ("New points (not gated on metrics; added by --update-baseline)", result.of("new")))
+    for title, findings in sections:
+        if findings:
+            lines += ["", f"{title}:"] + [f"  {f.kind.upper():<11} {f.point}  {f.message}" for f in findings]
+    return "\n".join(lines)
