@@ -1,0 +1,43 @@
+"""The multi-rank test spawner surfaces a child's traceback and kills hung ranks."""
+
+import time
+
+import pytest
+
+from tests.spawn import RankFailure, run_ranks
+
+
+def _rank_id():
+    import os
+
+    return int(os.environ["RANK"]) * 10 + int(os.environ["WORLD_SIZE"])
+
+
+def _fails_on_rank_1():
+    import os
+
+    if os.environ["RANK"] == "1":
+        raise KeyError("deliberate failure on rank 1")
+    return "fine"
+
+
+def _hangs_on_rank_0():
+    import os
+
+    if os.environ["RANK"] == "0":
+        time.sleep(600)
+    return "done"
+
+
+def test_results_come_back_in_rank_order():
+    assert run_ranks(_rank_id, 2) == [2, 12]
+
+
+def test_child_traceback_is_raised():
+    with pytest.raises(RankFailure, match=r"(?s)rank 1 raised:.*KeyError: 'deliberate failure on rank 1'"):
+        run_ranks(_fails_on_rank_1, 2)
+
+
+def test_hung_rank_is_killed_and_reported():
+    with pytest.raises(RankFailure, match=r"ranks \[0\] still running after 5s and were killed"):
+        run_ranks(_hangs_on_rank_0, 2, timeout=5)
