@@ -140,7 +140,6 @@ def _cp_lm_forward(forward, make_layout, group):
 
 def parallelize(model: torch.nn.Module, config: DistributedConfig) -> torch.nn.Module:
     """Distributes a built model (e.g. from `from_config`, seeded identically on every rank) per `config`."""
-    hf_compat.install()
     if not isinstance(config, DistributedConfig):
         raise TypeError(f"parallelize() needs a cpbench.DistributedConfig, got {type(config).__name__}.")
     cls = type(model)

@@ -17,6 +17,7 @@ Tested against transformers 5.23 (pinned in pyproject.toml). What cpbench relies
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 
@@ -103,8 +104,6 @@ def init_distributed() -> torch.device:
     if device_type == "mps":
         device_type = "cpu"
     _ensure_torch_distributed(device_type)
-    import os
-
     return _bind_local_device(device_type, int(os.environ.get("LOCAL_RANK", 0)))
 
 

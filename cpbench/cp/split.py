@@ -38,7 +38,8 @@ def make_split_hook(cuts_input: bool, make_layout: Callable[[int], SequenceLayou
     def hook(module, args, kwargs):
         layout = make_layout(full_length(args, kwargs, cuts_input))
         if cuts_input:
-            hidden = layout.cut(_hidden(args, kwargs), dim=1)
+            # A copy, not a view: a view would keep the whole sequence's hidden states alive through backward.
+            hidden = layout.cut(_hidden(args, kwargs), dim=1).clone()
             if args:
                 args = (hidden, *args[1:])
             else:
