@@ -15,11 +15,10 @@ import pandas as pd
 from . import units
 from .gate_rules import Rule
 from .load import schema_versions
-from .schema import KEY_COLUMNS
+from .match import check_unique, match_points, side
 from .stats import judge_samples
 
 CRASHES = ("error", "timeout")
-_MISSING = "<null>"  # key columns may be null; nulls must still match each other
 
 
 class GateRefusal(Exception):
@@ -66,37 +65,23 @@ def _values(frame: pd.DataFrame, column: str) -> list[str]:
 def gate(baseline: pd.DataFrame, run: pd.DataFrame, rules: list[Rule]) -> GateResult:
     result = GateResult()
     for name, frame in (("baseline", baseline), ("run", run)):
-        _refuse_duplicates(frame, name)
-    merged = _keyed(baseline).merge(_keyed(run), on="_key", how="outer", suffixes=("_b", "_r"), indicator=True)
-    for _, pair in merged.iterrows():
+        try:
+            check_unique(frame, name)
+        except ValueError as e:
+            raise GateRefusal(str(e)) from e
+    for _, pair in match_points(baseline, run, ("_b", "_r")).iterrows():
         if pair["_merge"] == "left_only":
             result.findings.append(Finding("fail", pair["point_id_b"], "missing",
                                            "baseline point is missing from the run (not run, or its spec changed)"))
             continue
-        row = _side(pair, "_r")
+        row = side(pair, "_r")
         if pair["_merge"] == "right_only":
             result.findings.append(Finding("new", row["point_id"], "new", "not in the baseline"))
             result.findings += _parity_failure(row) + _new_crash(row)
             continue
         result.points_checked += 1
-        result.findings += _judge_point(_side(pair, "_b"), row, rules)
+        result.findings += _judge_point(side(pair, "_b"), row, rules)
     return result
-
-
-def _refuse_duplicates(frame: pd.DataFrame, name: str) -> None:
-    dup = frame[_keyed(frame)["_key"].duplicated(keep=False).to_numpy()]
-    if len(dup):
-        raise GateRefusal(f"{name}: holds the same point more than once ({sorted(set(dup['point_id']))}); "
-                          f"remove the duplicate rows or rerun the sweep")
-
-
-def _keyed(frame: pd.DataFrame) -> pd.DataFrame:
-    key = frame[list(KEY_COLUMNS)].astype(object).where(frame[list(KEY_COLUMNS)].notna(), _MISSING).astype(str)
-    return frame.assign(_key=key.agg("|".join, axis=1) if len(frame) else pd.Series(dtype=str))
-
-
-def _side(pair: pd.Series, suffix: str) -> pd.Series:
-    return pd.Series({k[: -len(suffix)]: v for k, v in pair.items() if k.endswith(suffix)})
 
 
 def _judge_point(base: pd.Series, run: pd.Series, rules: list[Rule]) -> list[Finding]:

@@ -15,14 +15,14 @@ from .schema import COLUMNS, SCHEMA_VERSION
 RUN_FILE = "runs.parquet"
 
 
-def parquet_path(path: str | Path) -> Path:
+def parquet_path(path: str | Path, what: str = "run") -> Path:
     """The Parquet file of `path`: the file itself, or `<path>/runs.parquet` for a run directory."""
     path = Path(path)
     if path.is_dir():
         path = path / RUN_FILE
     if not path.is_file():
         raise FileNotFoundError(
-            f"run: no results at '{path}'; pass a run directory holding {RUN_FILE} "
+            f"{what}: no results at '{path}'; pass a run directory holding {RUN_FILE} "
             f"(results/<suite>/<run>) or a .parquet file written by `python -m cpbench sweep`"
         )
     return path
@@ -35,9 +35,9 @@ def file_schema_version(path: str | Path) -> int | None:
     return int(raw) if raw is not None else None
 
 
-def load_run(path: str | Path, *, allow_schema_mismatch: bool = False) -> pd.DataFrame:
+def load_run(path: str | Path, *, allow_schema_mismatch: bool = False, what: str = "run") -> pd.DataFrame:
     """All rows of a run, in their Parquet order. Refuses a file of another schema version unless allowed."""
-    file = parquet_path(path)
+    file = parquet_path(path, what)
     frame = pd.read_parquet(file)
     missing = [name for name in COLUMNS if name not in frame.columns]
     if missing:

@@ -1,0 +1,126 @@
+"""`python -m cpbench report | compare | gate`: parse, call one function, return the exit code.
+
+Exit codes: 0 fine, 1 the gate found a regression, 2 the inputs cannot be used (missing file, bad rules,
+different hardware or schema without the flag to allow it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+from pathlib import Path
+
+REFUSED = 2
+
+
+def register(subparsers) -> None:
+    report = subparsers.add_parser("report", help="tables, plots and a report page for a run")
+    report.add_argument("run", help="a run directory (results/<suite>/<run>) or a .parquet file")
+    report.add_argument("--out", help="where to write (default: the run directory; for a file, <name>_report/)")
+    report.add_argument("--device-memory", type=_size, help="draw this capacity on the memory plot, e.g. 80GiB")
+    report.set_defaults(func=run_report)
+
+    compare = subparsers.add_parser("compare", help="two runs side by side, with the change per metric")
+    compare.add_argument("run_a")
+    compare.add_argument("run_b")
+    compare.add_argument("--out", help="also write the comparison (Markdown) to this file")
+    compare.set_defaults(func=run_compare)
+
+    gate = subparsers.add_parser("gate", help="fail (exit 1) when a run regresses against a baseline")
+    gate.add_argument("run")
+    gate.add_argument("--baseline", required=True, help="baseline Parquet, e.g. results/baselines/smoke.parquet")
+    gate.add_argument("--rules", help="rules TOML (default: gate-rules.toml beside the baseline)")
+    gate.add_argument("--allow-hardware-mismatch", action="store_true", help="compare runs of different hardware_id")
+    gate.add_argument("--allow-schema-mismatch", action="store_true", help="compare runs of different schema versions")
+    gate.add_argument("--update-baseline", action="store_true",
+                      help="write RUN as the new baseline (after showing its gate result against the old one)")
+    gate.set_defaults(func=run_gate)
+
+
+def _size(text: str) -> float:
+    units = {"gib": 1024**3, "gb": 1024**3, "mib": 1024**2, "mb": 1024**2}
+    lowered = text.strip().lower()
+    for suffix, factor in units.items():
+        if lowered.endswith(suffix):
+            try:
+                return float(lowered[: -len(suffix)]) * factor
+            except ValueError:
+                break
+    raise argparse.ArgumentTypeError(f"--device-memory {text!r}: write a size such as 80GiB or 512MiB")
+
+
+def _fail(message: str) -> int:
+    print(f"cpbench: {message}", file=sys.stderr)
+    return REFUSED
+
+
+def run_report(args: argparse.Namespace) -> int:
+    from .load import load_run, parquet_path
+    from .page import write_report
+    from .tables import comparison_markdown
+
+    try:
+        frame = load_run(args.run)
+    except (FileNotFoundError, ValueError) as e:
+        return _fail(str(e))
+    source = Path(args.run)
+    out = Path(args.out) if args.out else source if source.is_dir() else source.with_name(f"{source.stem}_report")
+    files = write_report(frame, out, capacity=args.device_memory)
+    print(comparison_markdown(frame))
+    print(f"\nreport: {files.html}\n        {files.markdown}\nplots:  {', '.join(str(p) for p in files.plots.values())}")
+    print(f"data:   {parquet_path(args.run)}")
+    return 0
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    from .compare import compare, render
+    from .load import load_run, run_label
+
+    try:
+        a, b = load_run(args.run_a), load_run(args.run_b)
+        text = render(compare(a, b), run_label(a), run_label(b))
+    except (FileNotFoundError, ValueError) as e:
+        return _fail(str(e))
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+    return 0
+
+
+def run_gate(args: argparse.Namespace) -> int:
+    from .gate import GateRefusal, check_comparable, gate, render
+    from .gate_rules import load_rules
+    from .load import load_run, parquet_path, run_label
+
+    baseline_path = Path(args.baseline)
+    allow_schema = args.allow_schema_mismatch
+    try:
+        run = load_run(args.run, allow_schema_mismatch=allow_schema)
+        if args.update_baseline and not baseline_path.exists():
+            return _write_baseline(parquet_path(args.run), baseline_path, "created")
+        baseline = load_run(baseline_path, allow_schema_mismatch=allow_schema, what="baseline")
+        rules = load_rules(args.rules or baseline_path.with_name("gate-rules.toml"))
+        check_comparable(baseline, run, allow_hardware_mismatch=args.allow_hardware_mismatch,
+                         allow_schema_mismatch=allow_schema)
+        result = gate(baseline, run, rules)
+    except FileNotFoundError as e:
+        hint = "" if args.update_baseline else " (create a baseline with --update-baseline)"
+        return _fail(f"{e}{hint}")
+    except (ValueError, GateRefusal) as e:
+        return _fail(f"gate refused: {e}")
+    print(render(result, str(baseline_path), run_label(run)))
+    if args.update_baseline:
+        return _write_baseline(parquet_path(args.run), baseline_path, "replaced")
+    return result.exit_code
+
+
+def _write_baseline(source: Path, baseline: Path, verb: str) -> int:
+    """Copy the run's Parquet byte for byte (atomically: a reader never sees half a file)."""
+    baseline.parent.mkdir(parents=True, exist_ok=True)
+    partial = baseline.with_name(f".{baseline.name}.partial")
+    shutil.copyfile(source, partial)
+    os.replace(partial, baseline)
+    print(f"baseline {verb}: {baseline} (from {source}); commit it to make it the gate's reference")
+    return 0
