@@ -161,7 +161,8 @@ def _judge_sample_metric(point: str, old, new, rule: Rule) -> Finding | None:
     text = (f"{rule.metric}: median {_fmt(rule.metric, pd.Series(old).median())} → "
             f"{_fmt(rule.metric, pd.Series(new).median())} (×{verdict.ratio:.3f}; {verdict.evidence})")
     if verdict.worse:
-        return Finding(rule.action, point, rule.metric, f"{text}; rule: at most ×{1 + rule.threshold:.2f}")
+        action = rule.action if verdict.conclusive else "warn"  # noise cannot be told apart: listed, not failed
+        return Finding(action, point, rule.metric, f"{text}; rule: at most ×{1 + rule.threshold:.2f}")
     if verdict.better:
         return Finding("improvement", point, rule.metric, text)
     return None

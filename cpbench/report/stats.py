@@ -19,6 +19,7 @@ class SampleVerdict:
     worse: bool
     better: bool
     evidence: str         # how it was judged, for the message
+    conclusive: bool = True  # False: too few samples for the test to reach alpha (judged on the ratio alone)
 
 
 def judge_samples(baseline, new, rule: Rule) -> SampleVerdict:
@@ -29,12 +30,12 @@ def judge_samples(baseline, new, rule: Rule) -> SampleVerdict:
     large_worse = worse_ratio > 1.0 + rule.threshold
     large_better = rule.improvement > 0 and worse_ratio < 1.0 / (1.0 + rule.improvement)
     test = rule.test
-    if test != "median" and _min_p(len(base), len(cand)) >= rule.alpha:
-        test, note = "median", f"too few samples ({len(base)} vs {len(cand)}) for p < {rule.alpha}; ratio of medians only"
-    else:
-        note = "ratio of medians only"
     if test == "median":
-        return SampleVerdict(ratio, large_worse, large_better, note)
+        return SampleVerdict(ratio, large_worse, large_better, "ratio of medians only")
+    if _min_p(len(base), len(cand)) >= rule.alpha:
+        note = (f"inconclusive: {len(base)} vs {len(cand)} samples cannot reach p < {rule.alpha} "
+                f"(measure more steps: 5 each suffice for alpha 0.01)")
+        return SampleVerdict(ratio, large_worse, large_better, note, conclusive=False)
     if test == "mannwhitney":
         return _mannwhitney(base, cand, rule, ratio, large_worse, large_better)
     return _bootstrap(base, cand, rule, ratio, large_worse, large_better)
