@@ -8,8 +8,15 @@ from .loss import cp_causal_lm_loss
 from .plan import DEFAULT_BASE_MODEL_CP_PLAN, FAMILY_CP_PLANS, ResolvedPlan, resolve_plan
 from .styles import STYLES, AttentionStyle, SplitStyle, register_attention_style
 from .ulysses import check_ulysses, ulysses_attention
+from .ring import RING_IMPLEMENTATIONS, ring_attention
 
 register_attention_style("cp_ulysses", ulysses_attention, check=check_ulysses, replace=True)
+register_attention_style(
+    "cp_ring", ring_attention, layout="contiguous", implementations=RING_IMPLEMENTATIONS, replace=True
+)
+register_attention_style(
+    "cp_ring_zigzag", ring_attention, layout="zigzag", implementations=RING_IMPLEMENTATIONS, replace=True
+)
 hf_compat.install()
 
 __all__ = [

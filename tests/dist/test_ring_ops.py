@@ -1,0 +1,183 @@
+"""Op-level parity of cp_ring / cp_ring_zigzag with full attention, and their point-to-point transfer count.
+
+One spawn per world size runs every case (mask kind x mask source x GQA ratio x layout x dtype) and returns the
+worst errors per case; the parametrized tests below assert them. Spawning per case would cost seconds each.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+B, H, D = 2, 4, 8
+SEQ = 24  # divisible by 2 * cp for cp in {2, 4}; the "odd" kind uses 21
+KINDS = ("causal", "packed", "left_pad", "right_pad", "sliding", "sliding_packed", "odd")
+SOURCES = ("positions", "dense_bool", "dense_additive")  # what the model hands the ring (see ring_masks.py)
+KV_HEADS = (4, 2, 1)  # GQA ratio 1, 2, 4 (1 kv head: fewer kv heads than ranks)
+LAYOUTS = ("contiguous", "zigzag")  # cp_ring, cp_ring_zigzag
+DTYPES = ("float32", "float64")
+WINDOW = 5
+WORLD_SIZES = (2, 4)
+
+# Tolerances, relative to the largest reference magnitude. The ring computes the same softmax sums as the
+# reference in another order (per tile, then merged by LSE) and the reference runs in fp64 on the same inputs,
+# so the error is rounding only: each value is a reduction over <= SEQ keys of length-D products, and the
+# gradients chain two or three such reductions, so ~(SEQ + D) * eps per reduction. 200 * eps leaves ~5x
+# headroom over the worst we measure while a wrong mask (an error of O(1)) is caught by many orders.
+TOL = {"float32": 200 * torch.finfo(torch.float32).eps, "float64": 200 * torch.finfo(torch.float64).eps}
+
+
+def case_key(kind, source, kv_heads, layout, dtype) -> str:
+    return f"{kind}-{source}-kv{kv_heads}-{layout}-{dtype}"
+
+
+def all_cases():
+    return list(itertools.product(KINDS, SOURCES, KV_HEADS, LAYOUTS, DTYPES))
+
+
+def global_inputs(kind: str):
+    """seq_len, position_ids [B, S] or None, 2-D padding mask or None, window or None."""
+    seq = 21 if kind == "odd" else SEQ
+    pos = None
+    if kind in ("packed", "sliding_packed"):
+        docs = [[7, 10, 7], [12, 12]]  # row 0: three documents, row 1: two
+        pos = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in docs])
+    pad = None
+    if kind in ("left_pad", "right_pad"):
+        pad = torch.ones(B, seq, dtype=torch.long)
+        if kind == "left_pad":
+            pad[0, :5] = 0
+        else:
+            pad[0, -4:] = 0
+    window = WINDOW if kind.startswith("sliding") else None
+    return seq, pos, pad, window
+
+
+def allowed_mask(seq, pos, pad, window) -> torch.Tensor:
+    """The whole bool mask [B, 1, S, S] (True = attend), built independently of ring_masks."""
+    q = torch.arange(seq)[:, None]
+    k = torch.arange(seq)[None, :]
+    allowed = (k <= q).expand(B, 1, seq, seq).clone()
+    if window is not None:
+        allowed &= q - k < window
+    if pos is not None:
+        doc = torch.cumsum((pos == 0).long(), -1)
+        allowed &= doc[:, None, :, None] == doc[:, None, None, :]
+    if pad is not None:
+        allowed &= pad.bool()[:, None, None, :]
+    return allowed
+
+
+def full_attention(q, k, v, allowed, scale):
+    """Reference attention (any dtype; GQA by repeating kv heads): output [B, H, S, D] and LSE [B, H, S]."""
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    s = (q @ k.transpose(-1, -2) * scale).masked_fill(~allowed, float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - lse.masked_fill(torch.isinf(lse), 0)[..., None])
+    return p @ v, lse
+
+
+def _reference(kind, kv_heads, dtype):
+    seq, pos, pad, window = global_inputs(kind)
+    g = torch.Generator().manual_seed(10 * KINDS.index(kind) + kv_heads)  # the same inputs on every rank
+    q, dout = (torch.randn(B, H, seq, D, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(B, kv_heads, seq, D, generator=g, dtype=torch.float64) for _ in range(2))
+    q, k, v, dout = (x.to(dtype) for x in (q, k, v, dout))
+    allowed = allowed_mask(seq, pos, pad, window)
+    leaves = [x.double().requires_grad_() for x in (q, k, v)]
+    out, lse = full_attention(*leaves, allowed, D**-0.5)
+    out.backward(dout.double())
+    ref = {"out": out.detach(), "lse": lse, "dq": leaves[0].grad, "dk": leaves[1].grad, "dv": leaves[2].grad}
+    return (q, k, v, dout), ref, (seq, pos, pad, window, allowed)
+
+
+def _ring_masks(source, seq, pos, pad, window, allowed, layout, dtype):
+    from cpbench.cp.ring_masks import build_ring_masks
+
+    common = dict(seq_len=seq, padded_len=layout.padded_len)
+    if source == "positions":
+        return build_ring_masks(pad, position_ids=pos, sliding_window=window, **common)
+    if source == "dense_bool":  # what sdpa models pass
+        return build_ring_masks(allowed, position_ids=pos, sliding_window=window, **common)
+    additive = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)  # eager
+    return build_ring_masks(additive, position_ids=pos, sliding_window=window, **common)
+
+
+def _errors(got, ref, layout, valid_rows) -> dict:
+    errs = {}
+    for name in ("out", "dq", "dk", "dv"):
+        r = layout.cut(ref[name], dim=2)
+        errs[name] = ((got[name].double() - r).abs().max() / r.abs().max()).item()
+    r_lse = layout.cut(ref["lse"], dim=2, pad_value=float("-inf"))
+    finite = torch.isfinite(r_lse)
+    errs["lse"] = (got["lse"].double() - r_lse)[finite].abs().max().item()
+    # Rows that see no key (padding, left-padded queries) must come back as LSE -inf and output 0.
+    errs["empty_rows_ok"] = bool(torch.isneginf(got["lse"][~finite]).all()) and valid_rows > 0
+    return errs
+
+
+def run_case(kind, source, kv_heads, layout_kind, dtype_name, group):
+    import torch.distributed as dist
+
+    from cpbench.cp.layout import SequenceLayout
+    from cpbench.cp.ring import P2PCounter, ring_attention_with_lse, ring_p2p_count
+    from cpbench.cp.ring_kernels import select_kernel
+
+    dtype = getattr(torch, dtype_name)
+    inputs, ref, (seq, pos, pad, window, allowed) = _reference(kind, kv_heads, dtype)
+    layout = SequenceLayout(seq, dist.get_world_size(group), dist.get_rank(group), layout_kind)
+    q, k, v = (layout.cut(x, dim=2).detach().clone().requires_grad_() for x in inputs[:3])
+    masks = _ring_masks(source, seq, pos, pad, window, allowed, layout, dtype)
+    counter = P2PCounter()
+    out, lse = ring_attention_with_lse(
+        q, k, v, masks, layout=layout, group=group, kernel=select_kernel("sdpa", q), scale=D**-0.5, counter=counter
+    )
+    forward_sends = counter.sends["forward"]
+    out.backward(layout.cut(inputs[3], dim=2))
+    got = {"out": out.detach(), "lse": lse, "dq": q.grad, "dk": k.grad, "dv": v.grad}
+    errs = _errors(got, ref, layout, int(layout.valid_local().sum()))
+    expected = ring_p2p_count(layout.cp_size)
+    errs["p2p"] = (forward_sends, counter.sends["backward"], counter.recvs["backward"])
+    errs["p2p_expected"] = (expected["forward"], expected["backward"], expected["backward"])
+    return errs
+
+
+def ops_worker() -> dict:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    group = dist.group.WORLD
+    return {case_key(*c): run_case(*c, group) for c in all_cases()}
+
+
+@pytest.fixture(scope="module")
+def results():
+    from tests.spawn import run_ranks
+
+    out = {}
+    for world in WORLD_SIZES:
+        per_rank = run_ranks(ops_worker, world, timeout=300)
+        out[world] = {key: [r[key] for r in per_rank] for key in per_rank[0]}
+    return out
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+@pytest.mark.parametrize("kind,source,kv_heads,layout,dtype", all_cases())
+def test_ring_matches_full_attention(results, world, kind, source, kv_heads, layout, dtype):
+    per_rank = results[world][case_key(kind, source, kv_heads, layout, dtype)]
+    tol = TOL[dtype]
+    for rank, errs in enumerate(per_rank):
+        for name in ("out", "lse", "dq", "dk", "dv"):
+            assert errs[name] <= tol, f"rank {rank}: {name} error {errs[name]:.3g} > {tol:.3g}"
+        assert errs["empty_rows_ok"], f"rank {rank}: a row that sees no key is not LSE -inf"
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_ring_p2p_transfers_are_what_the_algorithm_says(results, world):
+    # forward: cp - 1 K/V hops; backward: cp - 1 K/V hops + cp dK/dV hops (the last brings a block home).
+    for key, per_rank in results[world].items():
+        for rank, errs in enumerate(per_rank):
+            assert errs["p2p"] == errs["p2p_expected"] == (world - 1, 2 * world - 1, 2 * world - 1), (key, rank)
