@@ -116,3 +116,19 @@ def _environment() -> dict:
     return {"torch_version": "2.13.0", "transformers_version": "5.23.0", "cpbench_version": "0.1.0",
             "device_name": "Test CPU", "device_count": 0, "hardware_id": HARDWARE_ID, "git_commit": "0" * 40,
             "git_dirty": False, "host": "ci", "cpu_count": 2, "timestamp": "2025-01-01T00:00:00Z"}
+
+
+def slowed(frame: pd.DataFrame, factor: float) -> pd.DataFrame:
+    """A copy whose every step-time sample (and the summaries) is `factor` times the original."""
+    out = frame.copy()
+    out["step_times_s"] = [None if s is None else [t * factor for t in s] for s in frame["step_times_s"]]
+    for column in ("step_time_median_s", "step_time_p10_s", "step_time_p90_s"):
+        out[column] = frame[column] * factor
+    out["tokens_per_s"] = frame["tokens_per_s"] / factor
+    return out
+
+
+def row_of(frame: pd.DataFrame, point_id: str) -> int:
+    """The index of the row with this point_id."""
+    (index,) = frame.index[frame["point_id"] == point_id]
+    return index

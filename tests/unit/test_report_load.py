@@ -1,0 +1,50 @@
+"""Reading runs: run directories and files, refused schema versions and foreign files, derived data."""
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from cpbench.report import derive
+from cpbench.report.load import file_schema_version, latest_run, load_run
+from cpbench.report.schema import SCHEMA_VERSION
+from tests.report_fixtures import make_run, write_run
+
+
+def test_reads_a_run_directory_and_its_file(tmp_path):
+    run_dir = write_run(make_run(), tmp_path / "suite" / "run")
+    assert len(load_run(run_dir)) == len(load_run(run_dir / "runs.parquet")) == 12
+    assert file_schema_version(run_dir) == SCHEMA_VERSION
+    assert latest_run(tmp_path) == run_dir
+
+
+def test_missing_run_names_the_path_and_the_fix(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"no results at .*cpbench sweep"):
+        load_run(tmp_path / "nope")
+
+
+def test_other_schema_version_is_refused_unless_allowed(tmp_path):
+    frame = make_run()
+    frame["schema_version"] = SCHEMA_VERSION + 1
+    run_dir = write_run(frame, tmp_path)
+    with pytest.raises(ValueError, match=rf"schema_version \[{SCHEMA_VERSION + 1}\]"):
+        load_run(run_dir)
+    assert len(load_run(run_dir, allow_schema_mismatch=True)) == 12
+
+
+def test_a_parquet_file_of_something_else_is_refused(tmp_path):
+    pq.write_table(pa.table({"x": [1]}), tmp_path / "other.parquet")
+    with pytest.raises(ValueError, match="columns .* are missing"):
+        load_run(tmp_path / "other.parquet")
+
+
+def test_ratios_against_cp1_and_largest_fit():
+    frame = make_run()
+    ratios = derive.ratios_vs_cp1(frame)
+    ulysses = ratios[ratios["config"] == "cp 2 · cp_ulysses"]
+    assert list(ulysses["seq_len"]) == [256, 512]  # cp=1 ran out of memory from 1024 on: nothing to divide by
+    assert ulysses["activations_ratio"].tolist() == pytest.approx([0.5, 0.5])
+    fits = derive.largest_fit(frame).set_index("config")
+    assert fits.loc["cp 1", "largest_ok_seq_len"] == 512 and fits.loc["cp 1", "first_failed_seq_len"] == 1024
+    assert fits.loc["cp 2 · cp_ring", "largest_ok_seq_len"] == 2048
+    assert pd.isna(fits.loc["cp 2 · cp_ring", "first_failed_seq_len"])

@@ -1,0 +1,40 @@
+"""The report's figures and page: files exist, are PNGs, are not empty; the page embeds them."""
+
+import pytest
+
+from cpbench.report import page, plots
+from tests.report_fixtures import make_run
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    return page.write_report(make_run(), tmp_path_factory.mktemp("report"), capacity=0.25 * 1024**3)
+
+
+def test_every_figure_is_a_non_empty_png(report):
+    assert set(report.plots) == set(plots.FIGURES)
+    for path in report.plots.values():
+        data = path.read_bytes()
+        assert data.startswith(PNG) and len(data) > 5_000, path
+
+
+def test_html_page_is_self_contained_with_table_and_images(report):
+    text = report.html.read_text()
+    assert text.count("data:image/png;base64,") == len(plots.FIGURES)
+    assert "out of memory" in text and "cp 2 · cp_ring" in text
+    assert 'src="plots/' not in text
+
+
+def test_markdown_page_links_the_images_beside_it(report):
+    text = report.markdown.read_text()
+    for name, path in report.plots.items():
+        assert f"]({path.relative_to(report.markdown.parent).as_posix()})" in text
+    assert report.table.read_text().startswith("| seq len |")
+
+
+def test_a_run_where_nothing_finished_still_draws(tmp_path):
+    frame = make_run(seq_lens=(256,), cp_sizes=(1,), oom_cp1_at=256)
+    paths = plots.save_all(frame, tmp_path)
+    assert all(p.read_bytes().startswith(PNG) for p in paths.values())
