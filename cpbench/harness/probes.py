@@ -65,6 +65,9 @@ class CpuMemoryProbe:
             if snap["Total"] > self.peak["Total"]:
                 self.peak = dict(snap)
 
+    def new_step(self) -> None:
+        self.tracker.reset_mod_stats()  # MemTracker keeps per-module stats of one iteration only
+
     def result(self) -> dict:
         p = self.peak
         params = p.get("Parameter", 0) + p.get("Buffer", 0)
@@ -97,6 +100,9 @@ class CudaMemoryProbe:
             torch.cuda.synchronize(self.device)
         self.peak = max(self.peak, torch.cuda.max_memory_allocated(self.device))
         self.reserved = max(self.reserved, torch.cuda.max_memory_reserved(self.device))
+
+    def new_step(self) -> None:
+        pass
 
     def result(self) -> dict:
         params = _local_bytes(p for p in self.model.parameters())

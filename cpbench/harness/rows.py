@@ -1,0 +1,110 @@
+"""Per-rank records -> one row of the results schema. Every aggregation names its reducer:
+
+- memory: `max` over ranks, beside the per-rank list (never a sum, never rank 0 alone); the breakdown is the
+  one of the rank with the highest peak, so its parts add up to `peak_bytes`;
+- time: per measured step, the `max` over ranks (a step ends when its slowest rank ends); median and p10/p90
+  of those;
+- parity: rank 0's comparison (it holds the gathered logits and full gradients).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+from cpbench.report.schema import SCHEMA_VERSION
+
+from .env import now_iso
+from .flops import peak_flops, train_step_flops
+from .presets import get_preset
+from .spec import Point
+
+
+def base_row(point: Point, *, run_id: str, env: dict, budget: int | None) -> dict:
+    spec = point.to_dict()
+    row = {c: spec[c] for c in (
+        "suite", "model", "seq_len", "batch_size", "batch_kind", "cp_size", "fsdp_size", "dp_replicate_size",
+        "world_size", "attn_implementation", "cp_style", "dtype", "device", "warmup_steps", "measured_steps",
+        "parity_mode",
+    )}
+    config = get_preset(point.preset).config(point.model_overrides)
+    row.update(
+        schema_version=SCHEMA_VERSION, run_id=run_id, point_id=point.point_id, point_key=point.point_key,
+        model_type=config.model_type, spec_json=json.dumps(spec, sort_keys=True), memory_budget_bytes=budget,
+        flops_per_step=float(train_step_flops(config, point.seq_len, point.batch_size * _dp(point))),
+        timestamp=now_iso(), **env,
+    )
+    return row
+
+
+def _dp(point: Point) -> int:
+    """Data-parallel replicas with their own batch: every rank of a cp group shares one batch."""
+    return point.world_size // point.cp_size
+
+
+def outcome_row(point: Point, status: str, detail: str | None, wall_s: float, **ctx) -> dict:
+    """A point that did not produce measurements (error, timeout, oom before the end, skipped)."""
+    row = base_row(point, **ctx)
+    parity = "skipped" if status == "skipped" else "error"
+    row.update(status=status, status_detail=detail, wall_s=wall_s, parity_status=parity,
+               parity_detail=f"no parity: the point ended {status}")
+    return row
+
+
+def measured_row(point: Point, records: list[dict], wall_s: float, **ctx) -> dict:
+    row = base_row(point, **ctx)
+    records = sorted(records, key=lambda r: r["rank"])
+    peaks = [r["peak_bytes"] for r in records]
+    top = records[peaks.index(max(peaks))]
+    row.update(
+        status="ok", status_detail=None, wall_s=wall_s, num_params=records[0]["num_params"],
+        model_type=records[0]["model_type"], parity_mode=records[0]["parity_mode"],
+        peak_bytes=max(peaks), peak_bytes_per_rank=peaks,
+        **_per_rank(records, "reserved_bytes"), **_per_rank(records, "device_peak_bytes"),
+        **_per_rank(records, "rss_peak_bytes"),
+        alloc_retries=_max_or_none(r["alloc_retries"] for r in records),
+        params_bytes=top["params_bytes"], grads_bytes=top["grads_bytes"],
+        optimizer_bytes=top["optimizer_bytes"], activations_bytes=top["activations_bytes"],
+    )
+    row.update(_time_columns(records, row["flops_per_step"], point, ctx["env"]))
+    row.update(records[0].get("parity") or {"parity_status": "error", "parity_detail": "rank 0 sent no parity"})
+    budget = ctx.get("budget")
+    if budget is not None and row["peak_bytes"] > budget:
+        row.update(status="oom", status_detail=f"peak {row['peak_bytes']} bytes > memory budget {budget} bytes")
+    return row
+
+
+def _per_rank(records: list[dict], name: str) -> dict:
+    values = [r.get(name) for r in records]
+    if any(v is None for v in values):
+        return {name: None, f"{name}_per_rank": None}
+    return {name: max(values), f"{name}_per_rank": values}
+
+
+def _max_or_none(values):
+    values = [v for v in values if v is not None]
+    return max(values) if values else None
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated percentile (q in [0, 100]), as numpy's default."""
+    s = sorted(values)
+    pos = (len(s) - 1) * q / 100
+    lo, hi = int(pos), min(int(pos) + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def _time_columns(records: list[dict], flops: float, point: Point, env: dict) -> dict:
+    per_step = [max(steps) for steps in zip(*(r["step_times_s"] for r in records))]  # slowest rank per step
+    if not per_step:
+        return {}
+    median = statistics.median(per_step)
+    tokens = point.seq_len * point.batch_size * _dp(point)
+    out = {"step_times_s": per_step, "step_time_median_s": median, "step_time_p10_s": percentile(per_step, 10),
+           "step_time_p90_s": percentile(per_step, 90), "tokens_per_s": tokens / median}
+    if point.device == "cuda":
+        per_device = flops / point.world_size / median
+        out["tflops_per_s"] = per_device / 1e12
+        peak = peak_flops(env.get("device_name"), point.dtype)
+        out["mfu"] = per_device / peak if peak else None
+    return out

@@ -1,0 +1,64 @@
+"""Which points are `skipped`, and why — decided before they would launch.
+
+- a style that this install has not registered (a documented style whose implementation has not landed);
+- a CUDA point on a machine with fewer GPUs than ranks (one GPU per rank: NCCL refuses two ranks on one GPU,
+  and gloo cannot run all-to-all on CUDA tensors);
+- a point longer than a sequence at which the same configuration already ran out of memory: the longest
+  length that fitted, per cp size, is then data in the table.
+"""
+
+from __future__ import annotations
+
+from .spec import NO_STYLE, Point
+
+
+class SkipRules:
+    def __init__(self):
+        self.oom_at: dict[str, int] = {}  # family -> shortest length that ran out of memory
+        self.fit_at: dict[str, int] = {}  # family -> longest length that fitted
+
+    def observe(self, point: Point, status: str) -> None:
+        f, s = point.family_key, point.seq_len
+        if status == "oom":
+            self.oom_at[f] = min(s, self.oom_at.get(f, s))
+        elif status == "ok":
+            self.fit_at[f] = max(s, self.fit_at.get(f, s))
+
+    def learn(self, table, points: list[Point]) -> None:
+        """Replays the rows of a run being resumed."""
+        by_id = {p.point_id: p for p in points}
+        for pid, status in zip(table["point_id"], table["status"]):
+            if pid in by_id:
+                self.observe(by_id[pid], status)
+
+    def why_skip(self, point: Point) -> str | None:
+        return self._style(point) or self._devices(point) or self._oom(point)
+
+    @staticmethod
+    def _style(point: Point) -> str | None:
+        from cpbench.cp import STYLES
+
+        if point.cp_style == NO_STYLE or point.cp_style in STYLES:
+            return None
+        return (f"cp_style {point.cp_style!r} is not registered in this cpbench (registered: {STYLES.names()}); "
+                "the point runs once its implementation lands")
+
+    @staticmethod
+    def _devices(point: Point) -> str | None:
+        if point.device != "cuda":
+            return None
+        import torch
+
+        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if have >= point.world_size:
+            return None
+        return (f"needs {point.world_size} CUDA devices (one per rank), this machine has {have}: NCCL refuses two "
+                "ranks on one GPU and gloo has no all-to-all for CUDA tensors")
+
+    def _oom(self, point: Point) -> str | None:
+        at = self.oom_at.get(point.family_key)
+        if at is None or point.seq_len <= at:
+            return None
+        fit = self.fit_at.get(point.family_key)
+        longest = f"the longest that fitted is {fit}" if fit else "no length fitted"
+        return f"this configuration ran out of memory at seq_len={at}; {longest}"

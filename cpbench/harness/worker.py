@@ -1,0 +1,262 @@
+"""One rank of a launch: runs points in order and writes their per-rank records.
+
+Run by `cpbench sweep` through torch's launcher, or by any external torchrun:
+
+    torchrun --nproc-per-node 2 -m cpbench.harness.worker --suite SUITE --point ID --records DIR
+
+Per point, in `DIR`: `<point_key>.started` (rank 0, when the point begins), then either
+`<point_key>.json` (every rank's record, gathered to rank 0 after the point) or, when a rank raises,
+`<point_key>.rank<r>.error.json` — and that rank exits at once, so a peer blocked in a collective is torn
+down by the launcher instead of hanging. The launcher's caller turns records into rows (`rows.py`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from . import parity
+from .probes import StepTimer, memory_probe, reset_rss_peak, rss_peak_bytes
+from .spec import NO_STYLE, Point, load_suite, parse_bytes
+from .presets import get_preset
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def rank_env() -> tuple[int, int, int]:
+    """(rank, world size, local rank) as torchrun sets them — the one place cpbench reads them."""
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
+
+
+def launched_by_torchrun() -> str | None:
+    """torchrun's run id when this process is a rank of an external launch, else None."""
+    return os.environ.get("TORCHELASTIC_RUN_ID")
+
+
+def write_json(path: Path, data) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+def make_batch(point: Point, vocab_size: int, device) -> dict:
+    g = torch.Generator().manual_seed(point.seed + 1)
+    ids = torch.randint(0, vocab_size, (point.batch_size, point.seq_len), generator=g)
+    batch = {"input_ids": ids, "labels": ids.clone()}
+    if point.batch_kind == "packed":  # four documents per row; positions restart at each
+        doc = -(-point.seq_len // 4)
+        batch["position_ids"] = (torch.arange(point.seq_len) % doc).expand(point.batch_size, -1).clone()
+    elif point.batch_kind == "padded":  # every other row right-padded by a quarter
+        mask = torch.ones_like(ids)
+        mask[::2, point.seq_len - point.seq_len // 4 :] = 0
+        batch["attention_mask"] = mask
+        batch["labels"] = ids.masked_fill(mask == 0, -100)
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def build_model(point: Point, device) -> torch.nn.Module:
+    """The point's model with seeded random weights: identical on every rank and in the reference."""
+    from transformers import AutoModelForCausalLM
+
+    config = get_preset(point.preset).config(point.model_overrides)
+    torch.manual_seed(point.seed)
+    if torch.device(device).type == "cuda":
+        torch.cuda.manual_seed(point.seed)
+    with torch.device(device):  # initialised where it runs: no host copy of a large model
+        return AutoModelForCausalLM.from_config(
+            config, dtype=DTYPES[point.dtype], attn_implementation=point.attn_implementation
+        )
+
+
+def distribute(model: torch.nn.Module, point: Point) -> torch.nn.Module:
+    if point.world_size == 1:
+        return model
+    import cpbench
+
+    plan = {"model.layers.*.self_attn": point.cp_style} if point.cp_style != NO_STYLE else None
+    config = cpbench.DistributedConfig(
+        cp_size=point.cp_size, fsdp_size=point.fsdp_size, dp_replicate_size=point.dp_replicate_size, cp_plan=plan
+    )
+    return cpbench.parallelize(model, config)
+
+
+def _inject(point: Point, rank: int) -> None:
+    """Test-only faults (see `Suite.faults`): the last rank crashes or hangs, its peers block in a collective."""
+    if point.fault and rank == point.world_size - 1:
+        if point.fault == "crash":
+            raise RuntimeError(f"injected crash in {point.point_id} (suite [faults] table)")
+        while point.fault == "hang":
+            time.sleep(3600)
+
+
+def _full_grads(model):
+    for name, p in model.named_parameters():
+        g = p.grad
+        yield name, (g.full_tensor() if hasattr(g, "full_tensor") else g)
+
+
+def _logits_and_valid(model, out, batch, point):
+    logits, valid = out.logits, batch.get("attention_mask")
+    if point.cp_size > 1:
+        import cpbench
+
+        layout = cpbench.SequenceLayout(point.seq_len, point.cp_size, dist.get_rank(model.cp_group),
+                                        model.cp_resolved_plan.layout)
+        logits = cpbench.gather_sequence(logits.detach(), layout, model.cp_group)
+    return logits, valid
+
+
+def run_point(point: Point, *, rank: int, device, budget: int | None, cache_dir: Path) -> dict:
+    reset_rss_peak()
+    t_start = time.perf_counter()
+    model = distribute(build_model(point, device), point)
+    num_params = sum(p.numel() for p in build_model_meta(point).parameters())
+    mode = parity.resolve_mode(point.parity_mode, num_params)
+    batch = make_batch(point, model.config.vocab_size, device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    probe = memory_probe(point.device, model, optimizer, budget)
+    _inject(point, rank)
+
+    with probe.segment():  # step 0: the parity step (first, unchanged weights)
+        out = model(**batch)
+        out.loss.backward()
+    ours = None
+    if mode != "off":  # collectives: every rank gathers, rank 0 keeps the summary
+        logits, valid = _logits_and_valid(model, out, batch, point)
+        summary = parity.summarize(out.loss, logits, _full_grads(model), mode, point.seed, valid)
+        ours = summary if rank == 0 else None
+        del logits, summary
+    del out
+    with probe.segment():
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        for _ in range(point.warmup_steps):
+            probe.new_step()
+            _train_step(model, optimizer, batch)
+    timer = StepTimer(point.device)
+    for _ in range(point.measured_steps):
+        if point.world_size > 1:
+            dist.barrier()  # the step times of the ranks start together
+        with timer.step():
+            _train_step(model, optimizer, batch)
+    record = {"rank": rank, "status": "ok", **probe.result(), "rss_peak_bytes": rss_peak_bytes(),
+              "step_times_s": timer.times_s, "num_params": num_params, "model_type": model.config.model_type,
+              "parity_mode": mode, "layout": getattr(getattr(model, "cp_resolved_plan", None), "layout", None),
+              "run_s": time.perf_counter() - t_start}
+    del model, optimizer, probe
+    gc.collect()
+    if rank == 0:
+        record["parity"] = _parity(point, ours, mode, device, cache_dir)
+    return record
+
+
+def build_model_meta(point: Point) -> torch.nn.Module:
+    return build_model(point, "meta")
+
+
+def _train_step(model, optimizer, batch) -> None:
+    model(**batch).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _parity(point: Point, ours: dict | None, mode: str, device, cache_dir: Path) -> dict:
+    if mode == "off":
+        return {"parity_status": "skipped", "parity_detail": "parity = \"off\" in the suite"}
+    path = parity.cache_path(cache_dir, point, mode)
+    ref = parity.load_cached(path)
+    if ref is None:
+        try:
+            ref = _reference(point, mode, device)
+        except torch.OutOfMemoryError as e:
+            return {"parity_status": "reference_oom", "parity_detail": f"the unsharded reference ran out of memory: {e}"}
+        parity.save_cached(path, ref)
+    return parity.compare(ours, ref, point.dtype, point.world_size)
+
+
+def _reference(point: Point, mode: str, device) -> dict:
+    model = build_model(point, device)
+    batch = make_batch(point, model.config.vocab_size, device)
+    out = model(**batch, use_cache=False)
+    out.loss.backward()
+    grads = ((n, p.grad) for n, p in model.named_parameters())
+    return parity.summarize(out.loss, out.logits, grads, mode, point.seed, batch.get("attention_mask"))
+
+
+def _error_record(rank: int, e: BaseException) -> dict:
+    oom = isinstance(e, torch.OutOfMemoryError)
+    message = f"{type(e).__name__}: {e}".strip()
+    return {"rank": rank, "status": "oom" if oom else "error", "message": message,
+            "traceback": traceback.format_exc()[-4000:]}
+
+
+def _over_budget(records: list[dict], budget: int | None) -> bool:
+    return budget is not None and max(r["peak_bytes"] for r in records) > budget
+
+
+def run_points(points: list[Point], records_dir: Path, *, budget: int | None, cache_dir: Path) -> None:
+    """Every rank calls this with the same points. Longer points of an out-of-memory family are not run."""
+    rank, world, local_rank = rank_env()
+    device = torch.device("cuda", local_rank) if points[0].device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    records_dir.mkdir(parents=True, exist_ok=True)
+    oom_families: set[str] = set()
+    for point in points:
+        if point.world_size != world:
+            raise ValueError(f"point {point.point_id} needs world_size={point.world_size}; this launch has {world}.")
+        if point.family_key in oom_families:
+            continue
+        if rank == 0:
+            write_json(records_dir / f"{point.point_key}.started", {"point_id": point.point_id, "t": time.time()})
+        try:
+            record = run_point(point, rank=rank, device=device, budget=budget, cache_dir=cache_dir)
+        except BaseException as e:  # noqa: BLE001 - recorded with its message, then this rank exits
+            write_json(records_dir / f"{point.point_key}.rank{rank}.error.json", _error_record(rank, e))
+            sys.stdout.flush()
+            os._exit(1)
+        gathered = [None] * world
+        dist.all_gather_object(gathered, record)
+        if rank == 0:
+            write_json(records_dir / f"{point.point_key}.json", gathered)
+        if _over_budget(gathered, budget):
+            oom_families.add(point.family_key)
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="cpbench.harness.worker", description="Run sweep points on this rank.")
+    p.add_argument("--suite", required=True, help="suite file, or 'default'")
+    p.add_argument("--point", action="append", required=True, dest="points", help="point id (repeatable)")
+    p.add_argument("--records", required=True, type=Path, help="folder for the per-point records")
+    p.add_argument("--cache", type=Path, default=None, help="reference cache folder (default: RECORDS/../cache)")
+    p.add_argument("--memory-budget", default=None)
+    p.add_argument("--allow-faults", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    from .suites import resolve_suite
+
+    suite = resolve_suite(args.suite, allow_faults=args.allow_faults)
+    by_id = {pt.point_id: pt for pt in suite.points()}
+    missing = [i for i in args.points if i not in by_id]
+    if missing:
+        raise ValueError(f"--point {missing} not in suite {suite.name!r}; its points are {sorted(by_id)}.")
+    budget_text = args.memory_budget or suite.memory_budget
+    budget = parse_bytes(budget_text) if budget_text else None
+    cache = args.cache or args.records.parent / "cache"
+    run_points([by_id[i] for i in args.points], args.records, budget=budget, cache_dir=cache)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
