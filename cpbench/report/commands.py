@@ -98,16 +98,18 @@ def run_gate(args: argparse.Namespace) -> int:
     allow_schema = args.allow_schema_mismatch
     try:
         run = load_run(args.run, allow_schema_mismatch=allow_schema)
-        if args.update_baseline and not baseline_path.exists():
-            return _write_baseline(parquet_path(args.run), baseline_path, "created")
+        if not baseline_path.exists():
+            if args.update_baseline:
+                return _write_baseline(parquet_path(args.run), baseline_path, "created")
+            return _fail(f"baseline: no file at '{baseline_path}'; create it from a checked run with "
+                         f"`python -m cpbench gate --baseline {baseline_path} RUN --update-baseline`")
         baseline = load_run(baseline_path, allow_schema_mismatch=allow_schema, what="baseline")
         rules = load_rules(args.rules or baseline_path.with_name("gate-rules.toml"))
         check_comparable(baseline, run, allow_hardware_mismatch=args.allow_hardware_mismatch,
                          allow_schema_mismatch=allow_schema)
         result = gate(baseline, run, rules)
     except FileNotFoundError as e:
-        hint = "" if args.update_baseline else " (create a baseline with --update-baseline)"
-        return _fail(f"{e}{hint}")
+        return _fail(str(e))
     except (ValueError, GateRefusal) as e:
         return _fail(f"gate refused: {e}")
     print(render(result, str(baseline_path), run_label(run)))

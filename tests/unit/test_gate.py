@@ -1,0 +1,138 @@
+"""The gate on doctored copies of a fixture run: what passes, what fails, what is refused, what is reported."""
+
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from cpbench.report.gate import GateRefusal, check_comparable, gate, render
+from cpbench.report.gate_rules import Rule, load_rules
+from tests.report_fixtures import make_run, row_of, slowed
+
+RULES = load_rules(Path(__file__).parents[2] / "results" / "baselines" / "gate-rules.toml")
+RING_512 = "llama-tiny/s512/cp2/sdpa/cp_ring"
+
+
+@pytest.fixture
+def baseline():
+    return make_run(seed=0)
+
+
+def failures(result):
+    return [(f.point, f.what) for f in result.of("fail")]
+
+
+def test_a_run_passes_against_itself(baseline):
+    result = gate(baseline, baseline.copy(), RULES)
+    assert result.exit_code == 0 and result.points_checked == len(baseline)
+    assert result.findings == []
+
+
+def test_noise_of_the_same_spread_passes(baseline):
+    result = gate(baseline, make_run(seed=1), RULES)
+    assert result.exit_code == 0, render(result, "baseline", "run")
+
+
+def test_a_thirty_percent_slow_down_fails_every_point_that_ran(baseline):
+    result = gate(baseline, slowed(make_run(seed=1), 1.3), RULES)
+    failed = failures(result)
+    assert len(failed) == (baseline["status"] == "ok").sum()
+    assert all(what == "step_times_s" for _, what in failed)
+    assert "×1.3" in render(result, "b", "r") and "Mann–Whitney" in render(result, "b", "r")
+
+
+def test_a_speed_up_is_reported_as_an_improvement(baseline):
+    result = gate(baseline, slowed(make_run(seed=1), 0.7), RULES)
+    assert result.exit_code == 0 and {f.what for f in result.of("improvement")} == {"step_times_s"}
+
+
+def test_more_memory_fails_and_says_by_how_much(baseline):
+    run = baseline.copy()
+    run.loc[row_of(run, RING_512), "peak_bytes"] += 3 * 1024**2
+    result = gate(baseline, run, RULES)
+    assert failures(result) == [(RING_512, "peak_bytes")]
+    assert "+3.00 MiB" in result.of("fail")[0].message
+
+
+def test_less_memory_is_an_improvement(baseline):
+    run = baseline.copy()
+    run.loc[row_of(run, RING_512), "activations_bytes"] *= 0.5
+    result = gate(baseline, run, RULES)
+    assert result.exit_code == 0 and [f.what for f in result.of("improvement")] == ["activations_bytes"]
+
+
+def test_a_parity_failure_fails_even_on_a_new_point(baseline):
+    run = baseline.copy()
+    run.loc[row_of(run, RING_512), ["parity_status", "grad_max_rel_err"]] = ["fail", 3e-2]
+    new = make_run(seq_lens=(4096,), cp_sizes=(2,), styles=("cp_ring",))
+    new["parity_status"] = "fail"
+    result = gate(baseline, pd.concat([run, new], ignore_index=True), RULES)
+    assert (RING_512, "parity") in failures(result)
+    assert ("llama-tiny/s4096/cp2/sdpa/cp_ring", "parity") in failures(result)
+    assert "grad_max_rel_err 0.030 (tolerance 0.00010)" in render(result, "b", "r")
+
+
+def test_parity_errors_growing_beyond_their_rule_fail(baseline):
+    run = baseline.copy()
+    run.loc[row_of(run, RING_512), "grad_max_rel_err"] *= 10
+    assert failures(gate(baseline, run, RULES)) == [(RING_512, "grad_max_rel_err")]
+
+
+def test_parity_that_can_no_longer_be_judged_fails(baseline):
+    run = baseline.copy()
+    run.loc[row_of(run, RING_512), "parity_status"] = "reference_oom"
+    assert failures(gate(baseline, run, RULES)) == [(RING_512, "parity")]
+
+
+@pytest.mark.parametrize("status", ["oom", "error", "timeout", "skipped"])
+def test_ok_to_anything_else_fails(baseline, status):
+    run = baseline.copy()
+    run.loc[row_of(run, RING_512), ["status", "status_detail"]] = [status, "CUDA out of memory"]
+    result = gate(baseline, run, RULES)
+    assert failures(result) == [(RING_512, "status")]
+    assert f"status ok → {status} (CUDA out of memory)" in result.of("fail")[0].message
+
+
+def test_oom_to_ok_is_an_improvement(baseline):
+    run = make_run(oom_cp1_at=None)
+    result = gate(baseline, run, RULES)
+    assert result.exit_code == 0
+    assert [f.message for f in result.of("improvement") if f.what == "status"] == ["status oom → ok", "status skipped → ok"]
+
+
+def test_a_missing_baseline_point_fails_and_a_new_one_is_listed(baseline):
+    run = baseline[baseline["point_id"] != RING_512]
+    run = run.assign(seq_len=run["seq_len"].where(run["point_id"] != "llama-tiny/s256/cp1/sdpa/none", 128))
+    result = gate(baseline, run, RULES)
+    assert sorted(failures(result)) == [("llama-tiny/s256/cp1/sdpa/none", "missing"), (RING_512, "missing")]
+    assert len(result.of("new")) == 1
+
+
+def test_different_hardware_or_schema_is_refused_unless_allowed(baseline):
+    run = baseline.assign(hardware_id="NVIDIA H100 80GB HBM3 x 8")
+    with pytest.raises(GateRefusal, match="hardware_id: baseline .*--allow-hardware-mismatch"):
+        check_comparable(baseline, run)
+    check_comparable(baseline, run, allow_hardware_mismatch=True)
+    with pytest.raises(GateRefusal, match="schema_version"):
+        check_comparable(baseline, baseline.assign(schema_version=2))
+
+
+def test_too_few_samples_make_a_slow_down_a_warning_not_a_failure():
+    baseline = make_run(steps=3)
+    result = gate(baseline, slowed(make_run(seed=1, steps=3), 1.5), RULES)
+    assert result.exit_code == 0
+    assert result.of("warn") and all("inconclusive" in f.message for f in result.of("warn"))
+
+
+@pytest.mark.parametrize("factor, fails", [(1.3, True), (1.0, False)])
+def test_the_bootstrap_test_agrees(baseline, factor, fails):
+    rules = [Rule(metric="step_times_s", test="bootstrap", threshold=0.2, alpha=0.01)]
+    result = gate(baseline, slowed(make_run(seed=1), factor), rules)
+    assert bool(result.of("fail")) is fails
+
+
+def test_a_warn_rule_lists_but_does_not_fail(baseline):
+    run = baseline.copy()
+    run["rss_peak_bytes"] = run["rss_peak_bytes"] * 2
+    result = gate(baseline, run, RULES)
+    assert result.exit_code == 0 and {f.what for f in result.of("warn")} == {"rss_peak_bytes"}
