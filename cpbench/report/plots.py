@@ -6,6 +6,7 @@ Each `*_figure(frame)` returns a Figure (a notebook shows it; `save_all` writes 
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import numpy as np
@@ -193,6 +194,13 @@ def fit_figure(frame: pd.DataFrame) -> Figure:
 
 FIGURES = {"memory": memory_figure, "time": time_figure, "scaling": scaling_figure,
            "memory_breakdown": breakdown_figure, "parity": parity_figure, "largest_fit": fit_figure}
+
+
+def png_bytes(fig: Figure, dpi: int = 100) -> bytes:
+    """The figure as PNG bytes (a notebook shows them with IPython.display.Image, whatever its backend)."""
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=dpi)
+    return buffer.getvalue()
 
 
 def save_all(frame: pd.DataFrame, out_dir: str | Path, capacity: float | None = None) -> dict[str, Path]:
