@@ -1,6 +1,7 @@
 """Which points are `skipped`, and why — decided before they would launch.
 
 - a style that this install has not registered (a documented style whose implementation has not landed);
+- a style that cannot serve the point's attention backend (its registered `implementations`);
 - a CUDA point on a machine with fewer GPUs than ranks (one GPU per rank: NCCL refuses two ranks on one GPU,
   and gloo cannot run all-to-all on CUDA tensors);
 - a point longer than a sequence at which the same configuration already ran out of memory: the longest
@@ -32,7 +33,7 @@ class SkipRules:
                 self.observe(by_id[pid], status)
 
     def why_skip(self, point: Point) -> str | None:
-        return self._style(point) or self._devices(point) or self._oom(point)
+        return self._style(point) or self._backend(point) or self._devices(point) or self._oom(point)
 
     @staticmethod
     def _style(point: Point) -> str | None:
@@ -42,6 +43,17 @@ class SkipRules:
             return None
         return (f"cp_style {point.cp_style!r} is not registered in this cpbench (registered: {STYLES.names()}); "
                 "the point runs once its implementation lands")
+
+    @staticmethod
+    def _backend(point: Point) -> str | None:
+        from cpbench.cp import STYLES
+
+        if point.cp_style == NO_STYLE:
+            return None
+        served = getattr(STYLES.get(point.cp_style), "implementations", None)
+        if served is None or point.attn_implementation in served:
+            return None
+        return f"{point.cp_style} serves {list(served)}, not attn_implementation={point.attn_implementation!r}"
 
     @staticmethod
     def _devices(point: Point) -> str | None:

@@ -8,8 +8,12 @@ flight with that status; the points it had not started go into a fresh launch.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import itertools
+import os
+import signal
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,13 +72,31 @@ def run_sweep(opts: SweepOptions) -> Path:
     done = store.finished_point_ids(run_dir)
     sweep.rules.learn(store.read_run(run_dir), points)
     pending = [p for p in points if p.point_id not in done]
-    with SweepProgress(len(points), len(points) - len(pending), suite.name, enabled=opts.progress) as bar:
+    with _sigterm_as_interrupt(), SweepProgress(len(points), len(points) - len(pending), suite.name,
+                                                enabled=opts.progress) as bar:
         sweep.bar = bar
         for _, group in itertools.groupby(pending, key=lambda p: p.world_size):
             remaining = list(group)
             while remaining:
                 remaining = sweep.launch(sweep.skip(remaining))
     return run_dir
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt():
+    """SIGTERM unwinds like Ctrl-C, so the running launch is killed with the sweep instead of orphaned."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 class _Sweep:
@@ -109,8 +131,6 @@ class _Sweep:
         folder = self.run_dir / "records" / f"launch-{self.launches}"
         cmd = worker_command(points[0].world_size, self.ref, [p.point_id for p in points], folder,
                              self.run_dir.parent / "cache", self.budget_text, self.allow_faults)
-        import os
-
         threads = max(1, (os.cpu_count() or 1) // points[0].world_size)
         proc = Launch(cmd, self.run_dir / "logs" / f"launch-{self.launches}.log", threads)
         records = LaunchRecords(folder, points)

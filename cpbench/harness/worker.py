@@ -13,6 +13,7 @@ down by the launcher instead of hanging. The launcher's caller turns records int
 from __future__ import annotations
 
 import argparse
+import datetime
 import gc
 import json
 import os
@@ -210,7 +211,8 @@ def run_points(points: list[Point], records_dir: Path, *, budget: int | None, ca
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        # A long timeout: rank 0 computes the parity reference while its peers wait; hangs are the launcher's job.
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(hours=2))
     records_dir.mkdir(parents=True, exist_ok=True)
     oom_families: set[str] = set()
     for point in points:
