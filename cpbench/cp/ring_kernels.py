@@ -54,6 +54,10 @@ class TorchKernel:
         if self.softcap:
             t = torch.tanh(s / self.softcap)
             s = t * self.softcap
+        if tile.uniform is not None:
+            # Eager's fully blocked rows: the scores vanish under the mask's minimum, their gradient does not
+            # (see ring_masks.py); a zero score forward with the usual backward is exactly that.
+            s = s.masked_fill(_group_mask(tile.uniform[..., None], hkv), 0.0)
         if tile.kind == CAUSAL:
             s = s.masked_fill(torch.ones(sq, k.shape[2], dtype=torch.bool, device=q.device).triu(1), float("-inf"))
         elif tile.kind == DENSE:
@@ -111,6 +115,8 @@ class CpuSdpaKernel:
         return zero.masked_fill(~tile.allowed, float("-inf"))
 
     def forward(self, q, k, v, tile: TileMask, scale: float):
+        if tile.uniform is not None:
+            return TorchKernel().forward(q, k, v, tile, scale)
         b, h, sq, d = q.shape
         hkv = k.shape[1]
         g = h // hkv
@@ -131,6 +137,8 @@ class CpuSdpaKernel:
         return out, lse
 
     def backward(self, dout, q, k, v, out, lse, tile: TileMask, scale: float):
+        if tile.uniform is not None:
+            return TorchKernel().backward(dout, q, k, v, out, lse, tile, scale)
         b, h, sq, d = q.shape
         hkv = k.shape[1]
         g = h // hkv

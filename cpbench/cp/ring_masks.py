@@ -12,6 +12,13 @@ Where the mask comes from, in order of preference:
   layer's `sliding_window` (key k is visible from query q when q - k < window, transformers' definition),
   packed documents from `position_ids` restarting at 0, and the 2-D mask's padded keys.
 
+A query row that an additive (eager) mask blocks entirely is one eager attention turns into a uniform average
+over all seq_len keys: adding the dtype's minimum absorbs the scores, so its softmax sees a constant row, while
+its backward still passes the score gradient through. The ring marks such rows `uniform` (all keys, scores taken
+as 0 forward, the gradient kept) so that a padded query's output, and the loss HF computes from it (the last
+left-pad position predicts the first real token), match the unsharded eager run. sdpa's bool masks give such rows
+no key and output 0, as torch's sdpa does.
+
 Positions >= seq_len are the layout's padding: no query attends to them and their own rows attend to nothing.
 A tile is SKIP (nothing visible: not computed), FULL (everything visible: no mask needed), CAUSAL (the
 diagonal tile of a plain causal mask: the kernel's own causal flag) or DENSE (an explicit bool mask).
@@ -31,6 +38,7 @@ SKIP, FULL, CAUSAL, DENSE = "skip", "full", "causal", "dense"
 class TileMask:
     kind: str
     allowed: torch.Tensor | None = None  # bool [B or 1, H or 1, q, k], True = attend; only for DENSE
+    uniform: torch.Tensor | None = None  # bool [B or 1, H or 1, q]: rows that see every key with score 0 (eager)
 
 
 @dataclass(frozen=True)
@@ -43,6 +51,7 @@ class RingMasks:
     device: torch.device
     window: int | None = None
     dense: torch.Tensor | None = None  # whole 4-D model mask [B or 1, H or 1, S, S]
+    uniform_rows: torch.Tensor | None = None  # bool [B or 1, H or 1, S]: rows an additive mask blocks entirely
     key_valid: torch.Tensor | None = None  # bool [B, padded_len]: False for padded keys (2-D mask)
     doc_ids: torch.Tensor | None = None  # long [B or 1, padded_len]: packed document index, -1 for padding
 
@@ -50,8 +59,17 @@ class RingMasks:
         if q_start >= self.seq_len or k_start >= self.seq_len:
             return TileMask(SKIP)  # an all-padding query chunk has no output to keep; padding keys are never seen
         if self.dense is not None:
-            return _classify(_dense_tile(self.dense, q_start, k_start, length, self.seq_len))
+            allowed = _dense_tile(self.dense, q_start, k_start, length, self.seq_len)
+            return self._with_uniform_rows(allowed, q_start, k_start, length)
         return self._positions_tile(q_start, k_start, length)
+
+    def _with_uniform_rows(self, allowed: torch.Tensor, q0: int, k0: int, n: int) -> TileMask:
+        rows = None if self.uniform_rows is None else self.uniform_rows[..., q0 : q0 + n]
+        if rows is None or not bool(rows.any()):
+            return _classify(allowed)
+        rows = torch.cat([rows, rows.new_zeros(*rows.shape[:2], n - rows.shape[-1])], -1)  # layout padding rows
+        keys = torch.arange(k0, k0 + n, device=allowed.device) < self.seq_len
+        return TileMask(DENSE, allowed | (rows[..., :, None] & keys), uniform=rows)
 
     def _positions_tile(self, q0: int, k0: int, n: int) -> TileMask:
         q_last, k_last = q0 + n - 1, k0 + n - 1
@@ -152,7 +170,11 @@ def build_ring_masks(
                 f"cp_ring: a 4-D attention_mask must be bool (True = attend) or additive float, got "
                 f"{attention_mask.dtype}."
             )
-        return RingMasks(seq_len, padded_len, is_causal, torch.device(device), dense=attention_mask)
+        uniform = None
+        if attention_mask.is_floating_point():
+            uniform = ~(attention_mask == 0).any(-1)
+            uniform = uniform if bool(uniform.any()) else None
+        return RingMasks(seq_len, padded_len, is_causal, torch.device(device), dense=attention_mask, uniform_rows=uniform)
     window = _check_window(sliding_window, is_causal)
     device = torch.device(device)
     key_valid = _key_valid(attention_mask, seq_len, padded_len, device)
