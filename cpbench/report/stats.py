@@ -33,9 +33,9 @@ def judge_samples(baseline, new, rule: Rule) -> SampleVerdict:
     if test == "median":
         return SampleVerdict(ratio, large_worse, large_better, "ratio of medians only")
     if _min_p(len(base), len(cand)) >= rule.alpha:
-        note = (f"inconclusive: {len(base)} vs {len(cand)} samples cannot reach p < {rule.alpha} "
-                f"(measure more steps: 5 each suffice for alpha 0.01)")
-        return SampleVerdict(ratio, large_worse, large_better, note, conclusive=False)
+        # an improvement that cannot be established is not reported; a slow-down is (as a warning)
+        note = f"inconclusive: {len(base)} vs {len(cand)} samples cannot reach p < {rule.alpha}"
+        return SampleVerdict(ratio, large_worse, False, note, conclusive=False)
     if test == "mannwhitney":
         return _mannwhitney(base, cand, rule, ratio, large_worse, large_better)
     return _bootstrap(base, cand, rule, ratio, large_worse, large_better)
