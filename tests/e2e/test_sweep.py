@@ -33,7 +33,7 @@ cp_styles = ["cp_ulysses", "cp_ring"]
 warmup_steps = 1
 measured_steps = 2
 parity = "full"
-timeout_s = 20
+timeout_s = 15
 """
 FAULTS = f"""
 [faults]
@@ -103,7 +103,7 @@ def test_a_crashing_rank_is_an_error_with_its_message_and_the_sweep_goes_on(run)
 
 def test_a_hanging_rank_is_a_timeout_and_the_sweep_goes_on(run):
     r = _row(run["df"], 2, SHORT, "cp_ring")
-    assert r["status"] == "timeout" and "20s" in r["status_detail"]
+    assert r["status"] == "timeout" and "15s" in r["status_detail"]
     assert _row(run["df"], 2, LONG, "cp_ring")["status"] == "ok"
 
 

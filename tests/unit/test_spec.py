@@ -1,0 +1,105 @@
+"""Suite loading, validation (each error names the field and the fix) and expansion into points."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cpbench.harness.spec import NO_STYLE, load_suite, parse_bytes
+from cpbench.harness.suites import DEFAULT_SUITE_TOML, resolve_suite
+
+ROOT = Path(__file__).parents[2]
+BASE = """
+name = "t"
+model = "tiny-qwen3"
+seq_lens = [128, 64]
+cp_sizes = [1, 2]
+attn_implementations = ["eager", "sdpa"]
+cp_styles = ["cp_ulysses", "cp_ring"]
+"""
+
+
+def _load(text: str, **kw):
+    return load_suite("t.toml", text=text, **kw)
+
+
+def test_expansion_collapses_styles_at_cp1_and_orders_lengths():
+    points = _load(BASE).points()
+    ids = [p.point_id for p in points]
+    assert len(ids) == 2 * 2 + 2 * 2 * 2 and len(set(ids)) == len(ids)
+    assert ids[0] == "tiny-qwen3/s64/cp1/eager/none" and ids[1] == "tiny-qwen3/s128/cp1/eager/none"
+    assert [p.world_size for p in points] == sorted(p.world_size for p in points)
+    assert all(p.cp_style == NO_STYLE for p in points if p.cp_size == 1)
+
+
+def test_point_keys_are_stable_and_ignore_run_settings():
+    a = _load(BASE).points()
+    b = _load(BASE.replace('name = "t"', 'name = "other"') + "measured_steps = 9\ntimeout_s = 5\n").points()
+    assert [p.point_key for p in a] == [p.point_key for p in b]  # same point, other suite settings
+    assert len(a[0].point_key) == 16 and int(a[0].point_key, 16) >= 0
+    assert a[0].family_key == a[1].family_key and a[0].point_key != a[1].point_key  # lengths of one family
+
+
+def test_world_size_makes_fsdp_fill_the_rest():
+    s = _load(BASE + "world_size = 4\n")
+    by_cp = {p.cp_size: p for p in s.points()}
+    assert (by_cp[1].fsdp_size, by_cp[2].fsdp_size) == (4, 2) and {p.world_size for p in s.points()} == {4}
+
+
+def test_overrides_name_the_model():
+    p = _load(BASE + "model_overrides = {num_hidden_layers = 1}\n").points()[0]
+    assert p.model == 'tiny-qwen3{"num_hidden_layers":1}' and p.preset == "tiny-qwen3"
+
+
+@pytest.mark.parametrize("text,field,fix", [
+    (BASE.replace("tiny-qwen3", "tiny-qwen9"), "model = 'tiny-qwen9'", "Use one of"),
+    (BASE.replace('"sdpa"', '"sdpa2"'), "attn_implementations", "use one of"),
+    (BASE.replace('"sdpa"', '"flash_attention_2"'), "attn_implementations", 'device = "cuda"'),
+    (BASE.replace('"cp_ring"', '"cp_rang"'), "cp_styles", "use one of"),
+    (BASE.replace("[1, 2]", "[1, 3]"), "cp_sizes", "drop cp_ulysses"),
+    (BASE + "world_size = 3\n", "cp_sizes", "divide the world"),
+    (BASE.replace("[128, 64]", "[128, 99999]"), "seq_lens", "max_position_embeddings"),
+    (BASE + 'dtype = "fp8"\n', "dtype", "use one of"),
+    (BASE + 'batch_kind = "ragged"\n', "batch_kind", "use one of"),
+    (BASE + "measured_steps = 0\n", "measured_steps", ">= 1"),
+    (BASE + "timeout_s = -1\n", "timeout_s", "positive"),
+    (BASE + "model_overrides = {hiden_size = 8}\n", "model_overrides", "spelling"),
+    (BASE + 'memory_budget = "lots"\n', "memory_budget", "80GiB"),
+    (BASE + "colour = 1\n", "unknown suite fields ['colour']", "Known fields"),
+    (BASE + '[faults]\n"*" = "crash"\n', "faults", "--allow-faults"),
+])
+def test_bad_suites_are_refused_naming_the_field_and_the_fix(text, field, fix):
+    with pytest.raises(ValueError) as e:
+        _load(text)
+    assert field in str(e.value) and fix in str(e.value)
+
+
+def test_faults_need_the_test_hook_and_a_known_fault():
+    text = BASE + '[faults]\n"*/s64/cp2/*" = "crash"\n'
+    points = _load(text, allow_faults=True).points()
+    assert {p.point_id for p in points if p.fault == "crash"} == {
+        p.point_id for p in points if p.seq_len == 64 and p.cp_size == 2}
+    with pytest.raises(ValueError, match="faults"):
+        _load(BASE + '[faults]\n"*" = "explode"\n', allow_faults=True)
+
+
+def test_sizes():
+    assert parse_bytes("80GiB") == 80 * 2**30 and parse_bytes("1.5GB") == 1_500_000_000
+    assert parse_bytes("512") == 512 and parse_bytes(7) == 7
+    with pytest.raises(ValueError, match="80GiB"):
+        parse_bytes("80 gigs")
+
+
+def test_the_default_suite_is_shipped_as_a_file_and_covers_the_required_grid():
+    assert (ROOT / "suites" / "default-cpu.toml").read_text() == DEFAULT_SUITE_TOML
+    s = resolve_suite(None)
+    assert s.device == "cpu" and set(s.cp_sizes) == {1, 2} and len(s.seq_lens) >= 2
+    assert len(s.attn_implementations) >= 2 and {"cp_ulysses", "cp_ring"} <= set(s.cp_styles)
+    assert {p.world_size for p in s.points()} == {1, 2}  # two launches
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (ROOT / "suites").glob("*.toml")))
+def test_every_shipped_suite_validates(name):
+    suite = resolve_suite(ROOT / "suites" / name)
+    assert suite.points()
