@@ -34,7 +34,7 @@ def _free_port() -> int:
 
 def _session(point: Point, rank: int, port: int, cache_dir: str) -> tuple[dict, tuple]:
     """Both ranks: the point once through the worker (memory, parity), then a fresh model to time."""
-    torch.set_num_threads(max(1, torch.get_num_threads() // point.world_size))
+    torch.set_num_threads(1)  # one core per rank, as in `cpbench sweep` (a rank stands for one device)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=point.world_size)
     record = worker.run_point(point, rank=rank, device=torch.device("cpu"), budget=None, cache_dir=cache_dir)
     model = worker.distribute(worker.build_model(point, "cpu"), point)

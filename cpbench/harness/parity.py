@@ -66,11 +66,14 @@ def _projections(flat: torch.Tensor, seed: int) -> torch.Tensor:
 
 def summarize(loss: torch.Tensor, logits_bsv: torch.Tensor, grads, mode: str, seed: int, valid_bs=None) -> dict:
     """`grads` yields (name, full gradient); every rank must iterate it when it gathers shards."""
-    logits = logits_bsv.detach().float()
-    if valid_bs is not None:
+    logits = logits_bsv.detach()
+    if mode == "projected":  # select first: a long sequence's full fp32 logits would not fit beside the model
+        keep = _logit_positions(logits.shape[1], seed).to(logits.device)
+        logits = logits.index_select(1, keep)
+        valid_bs = valid_bs.index_select(1, keep.to(valid_bs.device)) if valid_bs is not None else None
+    logits = logits.float()
+    if valid_bs is not None:  # padding positions' logits are not part of the comparison
         logits = logits.masked_fill(~valid_bs.bool().to(logits.device).unsqueeze(-1), 0.0)
-    if mode == "projected":
-        logits = logits.index_select(1, _logit_positions(logits.shape[1], seed).to(logits.device))
     summary = {"loss": float(loss.detach().float()), "logits": logits.cpu(), "grads": {}}
     for name, g in grads:
         if g is None:

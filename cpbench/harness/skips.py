@@ -2,6 +2,7 @@
 
 - a style that this install has not registered (a documented style whose implementation has not landed);
 - a style that cannot serve the point's attention backend (its registered `implementations`);
+- a FlashAttention backend whose package is not installed;
 - a CUDA point on a machine with fewer GPUs than ranks (one GPU per rank: NCCL refuses two ranks on one GPU,
   and gloo cannot run all-to-all on CUDA tensors);
 - a point longer than a sequence at which the same configuration already ran out of memory: the longest
@@ -10,7 +11,11 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 from .spec import NO_STYLE, Point
+
+KERNEL_PACKAGES = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}
 
 
 class SkipRules:
@@ -33,7 +38,8 @@ class SkipRules:
                 self.observe(by_id[pid], status)
 
     def why_skip(self, point: Point) -> str | None:
-        return self._style(point) or self._backend(point) or self._devices(point) or self._oom(point)
+        return (self._style(point) or self._backend(point) or self._kernels(point) or self._devices(point)
+                or self._oom(point))
 
     @staticmethod
     def _style(point: Point) -> str | None:
@@ -56,6 +62,13 @@ class SkipRules:
         return f"{point.cp_style} serves {list(served)}, not attn_implementation={point.attn_implementation!r}"
 
     @staticmethod
+    def _kernels(point: Point) -> str | None:
+        package = KERNEL_PACKAGES.get(point.attn_implementation)
+        if package is None or importlib.util.find_spec(package) is not None:
+            return None
+        return f"attn_implementation={point.attn_implementation!r} needs the {package!r} package, not installed here"
+
+    @staticmethod
     def _devices(point: Point) -> str | None:
         if point.device != "cuda":
             return None
@@ -64,7 +77,7 @@ class SkipRules:
         have = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if have >= point.world_size:
             return None
-        return (f"needs {point.world_size} CUDA devices (one per rank), this machine has {have}: NCCL refuses two "
+        return (f"needs {point.world_size} CUDA device(s), one per rank; this machine has {have}: NCCL refuses two "
                 "ranks on one GPU and gloo has no all-to-all for CUDA tensors")
 
     def _oom(self, point: Point) -> str | None:

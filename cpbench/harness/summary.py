@@ -21,7 +21,7 @@ def summary_table(df) -> str:
     lines = []
     for r in df.to_dict("records"):
         tok = r.get("tokens_per_s")
-        status = r["status"] if r["status"] == "ok" else f"{r['status']}: {str(r.get('status_detail'))[:60]}"
+        status = r["status"] if r["status"] == "ok" else f"{r['status']}: {str(r.get('status_detail'))[:40]}"
         lines.append([
             r["point_id"], status, _mib(r.get("peak_bytes")), _mib(r.get("activations_bytes")),
             _mib(r.get("rss_peak_bytes")), _ms(r.get("step_time_median_s")),

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import itertools
-import os
 import signal
 import threading
 import time
@@ -31,6 +30,7 @@ from .suites import resolve_suite, suite_ref
 
 STARTUP_GRACE_S = 300.0  # imports and process-group setup before a launch's first point starts
 POLL_S = 0.2
+CPU_THREADS_PER_RANK = 1
 
 
 @dataclass(kw_only=True)
@@ -131,7 +131,9 @@ class _Sweep:
         folder = self.run_dir / "records" / f"launch-{self.launches}"
         cmd = worker_command(points[0].world_size, self.ref, [p.point_id for p in points], folder,
                              self.run_dir.parent / "cache", self.budget_text, self.allow_faults)
-        threads = max(1, (os.cpu_count() or 1) // points[0].world_size)
+        # On CPU a rank stands for one device: one core each, so cp=2 uses twice the compute of cp=1 as two
+        # GPUs would (and two OpenMP threads per rank cannot fight over a shared machine's cores).
+        threads = CPU_THREADS_PER_RANK if points[0].device == "cpu" else None
         proc = Launch(cmd, self.run_dir / "logs" / f"launch-{self.launches}.log", threads)
         records = LaunchRecords(folder, points)
         try:

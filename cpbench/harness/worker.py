@@ -155,6 +155,8 @@ def run_point(point: Point, *, rank: int, device, budget: int | None, cache_dir:
               "run_s": time.perf_counter() - t_start}
     del model, optimizer, probe
     gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # room for the unsharded reference
     if rank == 0:
         record["parity"] = _parity(point, ours, mode, device, cache_dir)
     return record
