@@ -6,10 +6,12 @@ transfer posted before the current block is computed, so they overlap); at step 
 output into its rows by log-sum-exp in fp32. Only q, k, v, the output and the LSE are kept for backward.
 Backward: K/V travel the same way again, and each block's dK/dV accumulator (fp32) travels with it: a rank adds
 its share and passes it on, and after cp hops the accumulator is back with the block's owner. No rank ever holds
-more than two K/V blocks and three dK/dV blocks of other ranks.
+more than two K/V blocks and two dK/dV blocks of other ranks. The next K/V transfer overlaps the compute; the
+dK/dV hop does not (a rank needs the accumulator before adding to it), which costs one dK/dV transfer of latency
+per step and saves two K/V-sized buffers.
 
-P2P transfers per rank (one transfer = one packed tensor, counted as one send and one receive):
-forward cp - 1; backward (cp - 1) K/V + cp dK/dV.
+P2P transfers per rank (one tensor sent, and one received, per transfer; K and V travel as they are, no packed
+copy): forward 2 (cp - 1); backward 2 (cp - 1) for K/V + 2 cp for dK/dV.
 
 Zigzag is the same algorithm on the zigzag layout: rank r holds chunks r and 2cp-1-r, and the tile skipping
 (causal: a key chunk after a query chunk is never computed) gives every rank the same work at every step.
@@ -51,7 +53,7 @@ class RingPlan:
 
 def ring_p2p_count(cp_size: int) -> dict[str, int]:
     """Transfers one rank sends (and receives) per call, by phase: what `P2PCounter` must count."""
-    return {"forward": cp_size - 1, "backward": (cp_size - 1) + cp_size}
+    return {"forward": 2 * (cp_size - 1), "backward": 2 * (cp_size - 1) + 2 * cp_size}
 
 
 def _merge(out_acc: torch.Tensor, lse_acc: torch.Tensor, out_blk: torch.Tensor, lse_blk: torch.Tensor) -> None:
@@ -67,48 +69,51 @@ def _forward(q, k, v, plan: RingPlan):
     acc = acc_dtype(q.dtype)
     out = torch.zeros(b, h, s, d, dtype=acc, device=q.device)
     lse = torch.full((b, h, s), float("-inf"), dtype=acc, device=q.device)
-    kv = torch.stack([k, v])  # one buffer per hop
     for step in range(plan.layout.cp_size):
         pending = None
         if step < plan.layout.cp_size - 1:
-            pending = plan.comm.exchange(kv, phase="forward", tag=KV_TAG)
+            pending = plan.comm.exchange(k, v, phase="forward", tag=KV_TAG)
         for rows, cols, tile in plan.tiles(step):
-            o, l = plan.kernel.forward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], tile, plan.scale)
+            o, l = plan.kernel.forward(q[:, :, rows], k[:, :, cols], v[:, :, cols], tile, plan.scale)
             _merge(out[:, :, rows], lse[:, :, rows], o, l)
         if pending is not None:
-            kv = pending.wait()
+            k, v = pending.wait()
     return out.to(q.dtype), lse
 
 
 def _backward(dout, q, k, v, out, lse, plan: RingPlan):
-    acc = acc_dtype(q.dtype)
+    acc, kv_dtype = acc_dtype(q.dtype), k.dtype
     cp = plan.layout.cp_size
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-    kv = torch.stack([k, v])
-    dkv_pending = None
+    dk = torch.zeros(k.shape, dtype=acc, device=q.device)
+    dv = torch.zeros(v.shape, dtype=acc, device=q.device)
     for step in range(cp):
-        kv_pending = plan.comm.exchange(kv, phase="backward", tag=KV_TAG) if step < cp - 1 else None
-        dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)
+        kv_pending = plan.comm.exchange(k, v, phase="backward", tag=KV_TAG) if step < cp - 1 else None
+        if step > 0:
+            # The accumulators of the block now held, with the shares of the ranks it visited before. Adding into
+            # them (rather than into fresh buffers while they travel) keeps two fewer K/V-sized buffers alive.
+            dk, dv = dkv_pending.wait()
         for rows, cols, tile in plan.tiles(step):
-            dq_t, dk_t, dv_t = plan.kernel.backward(
-                dout[:, :, rows], q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
-                out[:, :, rows], lse[:, :, rows], tile, plan.scale,
+            plan.kernel.backward(
+                dout[:, :, rows], q[:, :, rows], k[:, :, cols], v[:, :, cols], out[:, :, rows], lse[:, :, rows],
+                tile, plan.scale, dq[:, :, rows], dk[:, :, cols], dv[:, :, cols],
             )
-            dq[:, :, rows] += dq_t
-            dkv[0][:, :, cols] += dk_t
-            dkv[1][:, :, cols] += dv_t
-        if dkv_pending is not None:
-            dkv += dkv_pending.wait()  # the shares of the ranks this block visited before
-        dkv_pending = plan.comm.exchange(dkv, phase="backward", tag=DKV_TAG)
+        if kv_pending is None:
+            del k, v  # the last block is done with: free it before the last hop allocates its buffers
+        dkv_pending = plan.comm.exchange(dk, dv, phase="backward", tag=DKV_TAG)
+        del dk, dv  # the pending send holds them until it completes
         if kv_pending is not None:
-            kv = kv_pending.wait()
-    dkv = dkv_pending.wait()  # after cp hops, the accumulator of this rank's own block
-    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+            k, v = kv_pending.wait()
+    dk, dv = dkv_pending.wait()  # after cp hops, the accumulators of this rank's own block
+    return dq.to(q.dtype), dk.to(kv_dtype), dv.to(kv_dtype)
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, plan: RingPlan):
+        # K/V are sent as they are, so keep them contiguous once here (the model hands over transposed views)
+        # rather than letting every hop copy them.
+        k, v = k.contiguous(), v.contiguous()
         out, lse = _forward(q, k, v, plan)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.plan = plan

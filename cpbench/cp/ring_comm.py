@@ -1,7 +1,8 @@
 """Point-to-point exchange around a cp group's ring: send to the next rank, receive from the previous one.
 
-`exchange` posts both transfers and returns at once, so the caller computes the current block while the next
-one travels; `wait` hands over the received tensor. Group ranks are mapped to global ranks, as torch.distributed
+`exchange` posts the transfers of a few tensors (K and V, or dK and dV: sent as they are, so no packed copy is
+made) and returns at once, so the caller computes the current block while the next one travels; `wait` hands
+over the received tensors. Group ranks are mapped to global ranks, as torch.distributed
 p2p needs. A `P2PCounter` passed in counts every transfer per phase (tests assert the algorithm's count).
 """
 
@@ -14,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 # Distinct tags keep K/V blocks and dK/dV accumulators, which travel between the same ranks at overlapping
-# times in backward, from being matched to each other's receives.
+# times in backward, from being matched to each other's receives (tensor i of an exchange adds 2 * i).
 KV_TAG, DKV_TAG = 0, 1
 
 
@@ -28,15 +29,17 @@ class P2PCounter:
 
 
 class Pending:
-    def __init__(self, requests, received: torch.Tensor, sent: torch.Tensor):
+    def __init__(self, requests, received: tuple[torch.Tensor, ...], sent: tuple[torch.Tensor, ...]):
         self._requests = requests
         self._received = received
-        self._sent = sent  # kept alive until the send completes
+        self._sent = sent  # kept alive until the sends complete
 
-    def wait(self) -> torch.Tensor:
+    def wait(self) -> tuple[torch.Tensor, ...]:
         for r in self._requests:
             r.wait()
-        self._sent = None
+        # The requests reference the sent tensors too: drop both, so a sent buffer is freed now, not when this
+        # object goes.
+        self._requests, self._sent = (), None
         return self._received
 
 
@@ -49,17 +52,17 @@ class RingComm:
         self.prev = dist.get_global_rank(self.group, (self.rank - 1) % self.size)
         self.counter = counter
 
-    def exchange(self, send: torch.Tensor, *, phase: str, tag: int) -> Pending:
-        """Sends `send` to the next rank and receives a tensor like it from the previous rank."""
-        send = send.contiguous()
-        recv = torch.empty_like(send)
-        ops = [
-            dist.P2POp(dist.isend, send, self.next, self.group, tag),
-            dist.P2POp(dist.irecv, recv, self.prev, self.group, tag),
-        ]
+    def exchange(self, *tensors: torch.Tensor, phase: str, tag: int) -> Pending:
+        """Sends each tensor to the next rank and receives one like it from the previous rank."""
+        sent = tuple(t.contiguous() for t in tensors)
+        received = tuple(torch.empty_like(t) for t in sent)
+        ops = []
+        for i, (s, r) in enumerate(zip(sent, received)):
+            ops.append(dist.P2POp(dist.isend, s, self.next, self.group, tag + 2 * i))
+            ops.append(dist.P2POp(dist.irecv, r, self.prev, self.group, tag + 2 * i))
         requests = dist.batch_isend_irecv(ops)
         if self.counter is not None:
-            self.counter.sends[phase] += 1
-            self.counter.recvs[phase] += 1
-            self.counter.bytes_sent[phase] += send.numel() * send.element_size()
-        return Pending(requests, recv, send)
+            self.counter.sends[phase] += len(sent)
+            self.counter.recvs[phase] += len(sent)
+            self.counter.bytes_sent[phase] += sum(t.numel() * t.element_size() for t in sent)
+        return Pending(requests, received, sent)

@@ -56,13 +56,15 @@ class FlashAttnKernel:
         )
         return out.transpose(1, 2).to(acc_dtype(q.dtype)), lse
 
-    def backward(self, dout, q, k, v, out, lse, tile: TileMask, scale: float):
+    def backward(self, dout, q, k, v, out, lse, tile: TileMask, scale: float, dq_acc, dk_acc, dv_acc) -> None:
         if tile.kind == DENSE:
-            return self._fallback.backward(dout, q, k, v, out, lse, tile, scale)
+            return self._fallback.backward(dout, q, k, v, out, lse, tile, scale, dq_acc, dk_acc, dv_acc)
         q_, k_, v_, o_, do_ = (x.transpose(1, 2).contiguous() for x in (q, k, v, out, dout))
         dq, dk, dv = torch.empty_like(q_), torch.empty_like(k_), torch.empty_like(v_)
         self._bwd(
             do_, q_, k_, v_, o_, lse.float().contiguous(), dq, dk, dv, 0.0, scale, tile.kind == CAUSAL, -1, -1,
             self.softcap or 0.0, None, False, None,
         )
-        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+        dq_acc += dq.transpose(1, 2)
+        dk_acc += dk.transpose(1, 2)
+        dv_acc += dv.transpose(1, 2)

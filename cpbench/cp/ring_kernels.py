@@ -72,7 +72,7 @@ class TorchKernel:
         out = torch.matmul(p, v.to(s.dtype)[:, :, None])
         return out.reshape(b, h, sq, d), lse.reshape(b, h, sq)
 
-    def backward(self, dout, q, k, v, out, lse, tile: TileMask, scale: float):
+    def backward(self, dout, q, k, v, out, lse, tile: TileMask, scale: float, dq, dk, dv) -> None:
         b, h, sq, d = q.shape
         hkv = k.shape[1]
         qg, s, t = self._scores(q, k, tile, scale)
@@ -80,13 +80,12 @@ class TorchKernel:
         p = torch.exp(s - safe_lse(lse.to(acc)).reshape(b, hkv, h // hkv, sq, 1))
         do = dout.to(acc).reshape(b, hkv, h // hkv, sq, d)
         delta = (do * out.to(acc).reshape(b, hkv, h // hkv, sq, d)).sum(-1, keepdim=True)
-        dv = torch.matmul(p.transpose(-1, -2), do).sum(2)
+        dv += torch.matmul(p.transpose(-1, -2), do).sum(2)
         ds = p * (torch.matmul(do, v.to(acc)[:, :, None].transpose(-1, -2)) - delta)
         if t is not None:
             ds = ds * (1 - t * t)  # d(c * tanh(x / c)) / dx
-        dq = torch.matmul(ds, k.to(acc)[:, :, None]) * scale
-        dk = torch.matmul(ds.transpose(-1, -2), qg).sum(2) * scale
-        return dq.reshape(b, h, sq, d), dk, dv
+        dq += (torch.matmul(ds, k.to(acc)[:, :, None]) * scale).reshape(b, h, sq, d)
+        dk += torch.matmul(ds.transpose(-1, -2), qg).sum(2) * scale
 
 
 def _group_mask(allowed: torch.Tensor, hkv: int) -> torch.Tensor:
@@ -97,9 +96,9 @@ def _group_mask(allowed: torch.Tensor, hkv: int) -> torch.Tensor:
 
 
 class CpuSdpaKernel:
-    """torch's CPU flash-attention kernel, one call per kv head group.
+    """torch's CPU flash-attention kernel: forward one call per kv head group, backward one per query head.
 
-    The kernel broadcasts a single kv head over the query heads of its group (and sums dk/dv over them in
+    The kernel broadcasts a single kv head over the query heads given with it (and sums dk/dv over them in
     backward), so GQA needs no copy of k/v at the query-head count.
     """
 
@@ -136,24 +135,25 @@ class CpuSdpaKernel:
             lse.masked_fill_(~tile.allowed.any(-1), float("-inf"))
         return out, lse
 
-    def backward(self, dout, q, k, v, out, lse, tile: TileMask, scale: float):
+    def backward(self, dout, q, k, v, out, lse, tile: TileMask, scale: float, dq, dk, dv) -> None:
         if tile.uniform is not None:
-            return TorchKernel().backward(dout, q, k, v, out, lse, tile, scale)
-        b, h, sq, d = q.shape
-        hkv = k.shape[1]
-        g = h // hkv
+            return TorchKernel().backward(dout, q, k, v, out, lse, tile, scale, dq, dk, dv)
+        g = q.shape[1] // k.shape[1]
         bias = self._additive(tile, q.dtype)
         lse = safe_lse(lse).to(acc_dtype(q.dtype))
-        dq = torch.empty_like(q)
-        dk, dv = torch.empty_like(k), torch.empty_like(v)
-        for j in range(hkv):
-            heads = slice(j * g, (j + 1) * g)
-            mask = None if bias is None else _mask_heads(bias, heads.start, heads.stop)
-            dq[:, heads], dk[:, j : j + 1], dv[:, j : j + 1] = self._bwd(
-                dout[:, heads], q[:, heads], k[:, j : j + 1], v[:, j : j + 1], out[:, heads], lse[:, heads],
+        for head in range(q.shape[1]):
+            # One query head at a time: the kernel returns fresh gradient tensors, and at this size they stay a
+            # 1/H fraction of the layer's activations instead of a second dq.
+            hq, hkv = slice(head, head + 1), slice(head // g, head // g + 1)
+            mask = None if bias is None else _mask_heads(bias, head, head + 1)
+            g_dq, g_dk, g_dv = self._bwd(
+                dout[:, hq], q[:, hq], k[:, hkv], v[:, hkv], out[:, hq], lse[:, hq],
                 0.0, tile.kind == CAUSAL, attn_mask=mask, scale=scale,
             )
-        return dq, dk, dv
+            dq[:, hq] += g_dq
+            dk[:, hkv] += g_dk
+            dv[:, hkv] += g_dv
+            del g_dq, g_dk, g_dv
 
 
 CPU_SDPA_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
