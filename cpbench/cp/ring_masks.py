@@ -170,16 +170,22 @@ def build_ring_masks(
                 f"cp_ring: a 4-D attention_mask must be bool (True = attend) or additive float, got "
                 f"{attention_mask.dtype}."
             )
-        uniform = None
-        if attention_mask.is_floating_point():
-            uniform = ~(attention_mask == 0).any(-1)
-            uniform = uniform if bool(uniform.any()) else None
-        return RingMasks(seq_len, padded_len, is_causal, torch.device(device), dense=attention_mask, uniform_rows=uniform)
+        return RingMasks(
+            seq_len, padded_len, is_causal, torch.device(device), dense=attention_mask,
+            uniform_rows=_eager_uniform_rows(attention_mask),
+        )
     window = _check_window(sliding_window, is_causal)
     device = torch.device(device)
     key_valid = _key_valid(attention_mask, seq_len, padded_len, device)
     docs = _doc_ids(position_ids, seq_len, padded_len, device)
     return RingMasks(seq_len, padded_len, is_causal, device, window, key_valid=key_valid, doc_ids=docs)
+
+
+def _eager_uniform_rows(mask: torch.Tensor) -> torch.Tensor | None:
+    if not mask.is_floating_point():
+        return None
+    rows = ~(mask == 0).any(-1)
+    return rows if bool(rows.any()) else None
 
 
 def _check_window(sliding_window, is_causal: bool) -> int | None:
