@@ -122,8 +122,16 @@ def cache_path(cache_dir: Path, point, mode: str) -> Path:
     key = {k: getattr(point, k) for k in ("model", "seq_len", "dtype", "attn_implementation", "batch_size",
                                           "batch_kind", "device", "seed")}
     key["mode"] = mode
+    # seeded initialisation may change between versions: a reference is only reused by the same stack
+    key["versions"] = [torch.__version__, _transformers_version()]
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     return Path(cache_dir) / f"reference-{digest}.pt"
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
 
 
 def load_cached(path: Path) -> dict | None:

@@ -186,7 +186,7 @@ class _Sweep:
             records.mark_done(point)
             detail = f"the launch exited with code {rc} before the point finished; log tail:\n{proc.log_tail()}"
             self.write(point, rows.outcome_row(point, "error", detail, time.time() - started, **self.ctx))
-        elif rc != 0 and records.pending() and not records.progressed:
+        elif records.pending() and not records.progressed:
             return self._no_progress(proc, records, f"the launch exited with code {rc} before any point started")
         return records.pending()
 
