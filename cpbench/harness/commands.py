@@ -24,7 +24,8 @@ def register(subparsers) -> None:
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, default=Path("results"), help="results folder (default: results)")
-    p.add_argument("--run", default=None, help="run folder name (default: a UTC timestamp; with --resume the latest)")
+    p.add_argument("--run-name", dest="run", default=None,
+                   help="run folder name (default: a UTC timestamp; with --resume the latest)")
     p.add_argument("--memory-budget", default=None, help="e.g. 80GiB: a point whose peak passes it is `oom`")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--allow-faults", action="store_true",
