@@ -8,18 +8,18 @@ from .spec import Suite, load_suite
 
 DEFAULT = "default"
 
-# The default CPU suite: cp 1/2 x eager/sdpa x cp_ulysses/cp_ring x 2 lengths on a tiny Qwen3, 2 launches.
+# The default CPU suite: cp 1/2 x eager/sdpa x the three styles x 2 lengths on a tiny Qwen3, 2 launches.
 # Kept byte-identical to suites/default-cpu.toml (a test checks it).
 DEFAULT_SUITE_TOML = """\
 # The default CPU suite: what `python -m cpbench sweep` runs with no argument (<= 3 minutes on 2 cores).
 # Two launches (world size 1, then 2); a style that is not registered yet is `skipped`, with why.
 name = "default-cpu"
-description = "tiny Qwen3 on CPU: cp 1/2 x eager/sdpa x cp_ulysses/cp_ring x 2 lengths"
+description = "tiny Qwen3 on CPU: cp 1/2 x eager/sdpa x cp_ulysses/cp_ring/cp_ring_zigzag x 2 lengths"
 model = "tiny-qwen3"
 seq_lens = [512, 2048]
 cp_sizes = [1, 2]
 attn_implementations = ["eager", "sdpa"]
-cp_styles = ["cp_ulysses", "cp_ring"]
+cp_styles = ["cp_ulysses", "cp_ring", "cp_ring_zigzag"]
 dtype = "float32"
 device = "cpu"
 batch_size = 1
