@@ -16,7 +16,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import socket
 
-import pytest
 import torch
 import torch.distributed as dist
 

@@ -95,7 +95,8 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def _time_columns(records: list[dict], flops: float, point: Point, env: dict) -> dict:
-    per_step = [max(steps) for steps in zip(*(r["step_times_s"] for r in records))]  # slowest rank per step
+    # the slowest rank of each step
+    per_step = [max(steps) for steps in zip(*(r["step_times_s"] for r in records), strict=True)]
     if not per_step:
         return {}
     median = statistics.median(per_step)

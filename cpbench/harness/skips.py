@@ -33,7 +33,7 @@ class SkipRules:
     def learn(self, table, points: list[Point]) -> None:
         """Replays the rows of a run being resumed."""
         by_id = {p.point_id: p for p in points}
-        for pid, status in zip(table["point_id"], table["status"]):
+        for pid, status in zip(table["point_id"], table["status"], strict=True):
             if pid in by_id:
                 self.observe(by_id[pid], status)
 

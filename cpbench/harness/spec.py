@@ -202,7 +202,8 @@ def _check_styles(suite: Suite, config) -> None:
     registered = [n for n in STYLES.names() if isinstance(STYLES.get(n), AttentionStyle)]
     for style in suite.cp_styles:
         if style not in registered and style not in DOCUMENTED_STYLES:
-            raise _err("cp_styles", style, f"is not a CP attention style; use one of {sorted(set(registered) | set(DOCUMENTED_STYLES))}.")
+            known = sorted(set(registered) | set(DOCUMENTED_STYLES))
+            raise _err("cp_styles", style, f"is not a CP attention style; use one of {known}.")
     heads = config.num_attention_heads
     for cp in suite.cp_sizes:
         if not isinstance(cp, int) or cp < 1:

@@ -28,7 +28,7 @@ def summary_table(df) -> str:
             "" if tok is None or (isinstance(tok, float) and math.isnan(tok)) else f"{tok:.0f}",
             r.get("parity_status") or "",
         ])
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *lines)] if lines else [len(h) for h in header]
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *lines, strict=True)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     out = [fmt.format(*header), fmt.format(*("-" * w for w in widths))]
     out += [fmt.format(*(str(x).replace("\n", " ") for x in line)) for line in lines]

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from . import parity
 from .probes import StepTimer, memory_probe, reset_rss_peak, rss_peak_bytes
-from .spec import NO_STYLE, Point, load_suite, parse_bytes
+from .spec import NO_STYLE, Point, parse_bytes
 from .presets import get_preset
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -181,7 +181,8 @@ def _parity(point: Point, ours: dict | None, mode: str, device, cache_dir: Path)
         try:
             ref = _reference(point, mode, device)
         except torch.OutOfMemoryError as e:
-            return {"parity_status": "reference_oom", "parity_detail": f"the unsharded reference ran out of memory: {e}"}
+            why = f"the unsharded reference ran out of memory: {e}"
+            return {"parity_status": "reference_oom", "parity_detail": why}
         parity.save_cached(path, ref)
     return parity.compare(ours, ref, point.dtype, point.world_size)
 
