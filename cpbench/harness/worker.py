@@ -128,7 +128,7 @@ def run_point(point: Point, *, rank: int, device, budget: int | None, cache_dir:
     _inject(point, rank)
 
     with probe.segment():  # step 0: the parity step (first, unchanged weights)
-        out = model(**batch)
+        out = forward(model, batch)
         out.loss.backward()
     ours = None
     if mode != "off":  # collectives: every rank gathers, rank 0 keeps the summary
@@ -166,8 +166,14 @@ def build_model_meta(point: Point) -> torch.nn.Module:
     return build_model(point, "meta")
 
 
+def forward(model, batch: dict):
+    """A training forward. No KV cache: CP refuses one, and with a cache transformers skips the packed-sequence
+    mask (position_ids restarting), so every point and the reference run the same computation."""
+    return model(**batch, use_cache=False)
+
+
 def _train_step(model, optimizer, batch) -> None:
-    model(**batch).loss.backward()
+    forward(model, batch).loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
@@ -190,7 +196,7 @@ def _parity(point: Point, ours: dict | None, mode: str, device, cache_dir: Path)
 def _reference(point: Point, mode: str, device) -> dict:
     model = build_model(point, device)
     batch = make_batch(point, model.config.vocab_size, device)
-    out = model(**batch, use_cache=False)
+    out = forward(model, batch)
     out.loss.backward()
     grads = ((n, p.grad) for n, p in model.named_parameters())
     return parity.summarize(out.loss, out.logits, grads, mode, point.seed, batch.get("attention_mask"))

@@ -1,6 +1,7 @@
 """`python -m cpbench sweep` end to end on CPU: real torchrun launches of a tiny suite.
 
-One module-scoped sweep covers the normal points (cp 1 and 2, two lengths, parity against the unsharded run)
+One module-scoped sweep covers the normal points (cp 1 and 2, two lengths, packed batches, parity against the
+unsharded run)
 and the failure paths: a point whose last rank crashes is `error` with its message, a point whose last rank
 hangs is `timeout`, and the points after each still run. Faults come from the suite's `[faults]` table, which
 only `--allow-faults` honours (see `cpbench.harness.spec.Suite.faults`). No test asserts a timing.
@@ -30,6 +31,7 @@ seq_lens = [{SHORT}, {LONG}]
 cp_sizes = [1, 2]
 attn_implementations = ["sdpa"]
 cp_styles = ["cp_ulysses", "cp_ring"]
+batch_kind = "packed"
 warmup_steps = 1
 measured_steps = 2
 parity = "full"
@@ -37,8 +39,8 @@ timeout_s = 15
 """
 FAULTS = f"""
 [faults]
-"tiny-qwen3/s{SHORT}/cp2/sdpa/cp_ulysses" = "crash"
-"tiny-qwen3/s{SHORT}/cp2/sdpa/cp_ring" = "hang"
+"tiny-qwen3/s{SHORT}/cp2/sdpa/cp_ulysses/*" = "crash"
+"tiny-qwen3/s{SHORT}/cp2/sdpa/cp_ring/*" = "hang"
 """
 
 
@@ -62,7 +64,7 @@ def run(tmp_path_factory):
 
 
 def _row(df, cp: int, seq: int, style: str):
-    return df.loc[f"tiny-qwen3/s{seq}/cp{cp}/sdpa/{style}"]
+    return df.loc[f"tiny-qwen3/s{seq}/cp{cp}/sdpa/{style}/b1packed"]
 
 
 def test_every_point_has_one_row_with_a_status(run):
