@@ -1,9 +1,8 @@
 """`python -m cpbench sweep` end to end on CPU: real torchrun launches of a tiny suite.
 
 One module-scoped sweep covers the normal points (cp 1 and 2, two lengths, packed batches, parity against the
-unsharded run)
-and the failure paths: a point whose last rank crashes is `error` with its message, a point whose last rank
-hangs is `timeout`, and the points after each still run. Faults come from the suite's `[faults]` table, which
+unsharded run) and the failure paths: a point whose last rank crashes is `error` with its message, a point whose
+last rank hangs is `timeout`, and the points after each still run. Faults come from the suite's `[faults]` table, which
 only `--allow-faults` honours (see `cpbench.harness.spec.Suite.faults`). No test asserts a timing.
 """
 
