@@ -172,3 +172,17 @@ def test_a_bad_suite_is_refused_before_any_launch(tmp_path, capsys, edit, needle
     assert _sweep(str(suite), "--out", str(tmp_path / "results")) == 2
     assert needle in capsys.readouterr().err
     assert not (tmp_path / "results").exists()
+
+
+def test_one_point_under_an_external_torchrun_writes_the_same_row(run):
+    pid = f"tiny-qwen3/s{SHORT}/cp2/sdpa/cp_ring/b1packed"
+    suite, out = _suite(run["tmp"], SUITE, "external.toml"), run["tmp"] / "external"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "cpbench", "run", str(suite), "--point", pid, "--out", str(out), "--run-name", "ext"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    row = store.read_run(out / "e2e" / "ext").set_index("point_id").loc[pid]
+    assert row["status"] == "ok" and row["parity_status"] == "pass" and len(row["peak_bytes_per_rank"]) == 2
+    # the same point as in the sweep (where it hung on purpose): same key, so runs can be matched
+    assert row["point_key"] == run["df"].loc[pid, "point_key"]
