@@ -11,11 +11,12 @@ A rank that raises writes its error record and exits; torchrun then ends the oth
 from __future__ import annotations
 
 from cpbench.report import store
+from cpbench.report.units import parse_bytes
 
 from . import rows, worker
 from .env import fingerprint
 from .records import LaunchRecords
-from .spec import parse_bytes
+
 from .suites import resolve_suite
 
 

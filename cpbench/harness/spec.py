@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from cpbench.report.schema import KEY_COLUMNS
+from cpbench.report.units import parse_bytes
 
 from .presets import check_overrides, get_preset
 
@@ -271,17 +272,3 @@ def _point(suite: Suite, model: str, cp: int, attn: str, style: str, seq_len: in
     )
     fault = next((f for pat, f in suite.faults.items() if fnmatch.fnmatchcase(p.point_id, pat)), None)
     return Point(**{**p.to_dict(), "fault": fault}) if fault else p
-
-
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_bytes(text: str | int, *, field_name: str = "--memory-budget") -> int:
-    """'80GiB' -> 85899345920. Plain integers are bytes."""
-    if isinstance(text, int):
-        return text
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"`{field_name}` = {text!r}: write a size like 80GiB, 512MiB, 1.5GB or a number of bytes.")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])

@@ -25,7 +25,9 @@ from .launch import Launch, worker_command
 from .progress import SweepProgress
 from .records import LaunchRecords
 from .skips import SkipRules
-from .spec import Point, parse_bytes
+from cpbench.report.units import parse_bytes
+
+from .spec import Point
 from .suites import resolve_suite, suite_ref
 
 STARTUP_GRACE_S = 300.0  # imports and process-group setup before a launch's first point starts

@@ -27,7 +27,9 @@ import torch.distributed as dist
 
 from . import parity
 from .probes import StepTimer, memory_probe, reset_rss_peak, rss_peak_bytes
-from .spec import NO_STYLE, Point, parse_bytes
+from cpbench.report.units import parse_bytes
+
+from .spec import NO_STYLE, Point
 from .presets import get_preset
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

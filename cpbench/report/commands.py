@@ -12,6 +12,8 @@ import shutil
 import sys
 from pathlib import Path
 
+from .units import parse_bytes
+
 REFUSED = 2
 
 
@@ -39,16 +41,11 @@ def register(subparsers) -> None:
     gate.set_defaults(func=run_gate)
 
 
-def _size(text: str) -> float:
-    units = {"gib": 1024**3, "gb": 1024**3, "mib": 1024**2, "mb": 1024**2}
-    lowered = text.strip().lower()
-    for suffix, factor in units.items():
-        if lowered.endswith(suffix):
-            try:
-                return float(lowered[: -len(suffix)]) * factor
-            except ValueError:
-                break
-    raise argparse.ArgumentTypeError(f"--device-memory {text!r}: write a size such as 80GiB or 512MiB")
+def _size(text: str) -> int:
+    try:
+        return parse_bytes(text, field_name="--device-memory")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _fail(message: str) -> int:

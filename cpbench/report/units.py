@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 GIB = 1024**3
 MIB = 1024**2
@@ -55,3 +56,17 @@ def change(old, new) -> str:
         return "±0%" if new == 0 else "new"
     percent = (new - old) / abs(old) * 100
     return ("+" if percent > 0 else "") + f"{sig(percent)}%"
+
+
+_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str | int, *, field_name: str = "--memory-budget") -> int:
+    """'80GiB' -> 85899345920, '1.5GB' -> 1500000000 (SI and binary units as written). Plain integers are bytes."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        return text
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _SIZE_UNITS:
+        raise ValueError(f"`{field_name}` = {text!r}: write a size like 80GiB, 512MiB, 1.5GB or a number of bytes.")
+    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
