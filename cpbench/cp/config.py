@@ -54,7 +54,7 @@ class DistributedConfig(HFDistributedConfig):
                     f"context parallelism with FSDP and dp_replicate only. Set `{name}=1` or `cp_size=1`."
                 )
         if _torch_version() < MIN_TORCH:
-            raise OSError(
+            raise ValueError(
                 f"Context parallelism needs torch>={MIN_TORCH[0]}.{MIN_TORCH[1]}, found {torch.__version__}. "
                 "Upgrade torch or set `cp_size=1`."
             )

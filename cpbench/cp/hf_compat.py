@@ -48,7 +48,11 @@ class AttentionConfigView:
 
 
 class ModuleView:
-    """An attention module with some attributes replaced (e.g. `num_key_value_groups` after head sharding)."""
+    """An attention module with some attributes replaced (e.g. `num_key_value_groups` after head sharding).
+
+    The model's attention functions read `module.config._attn_implementation` (flash attention picks its kernel
+    from it), so a view handed to them must carry the model's own config, not the CP view of it.
+    """
 
     def __init__(self, module: torch.nn.Module, **overrides):
         object.__setattr__(self, "_cp_module", module)
@@ -59,10 +63,14 @@ class ModuleView:
         return getattr(object.__getattribute__(self, "_cp_module"), name)
 
 
-def model_attention_implementation(module: torch.nn.Module) -> str:
+def model_config(module: torch.nn.Module):
+    """The model's own config, behind an attention module's CP view of it."""
     config = module.config
-    base = config._cp_base_config if isinstance(config, AttentionConfigView) else config
-    return base._attn_implementation or "eager"
+    return config._cp_base_config if isinstance(config, AttentionConfigView) else config
+
+
+def model_attention_implementation(module: torch.nn.Module) -> str:
+    return model_config(module)._attn_implementation or "eager"
 
 
 def inner_attention(module: torch.nn.Module) -> Callable:

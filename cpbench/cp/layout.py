@@ -85,14 +85,22 @@ class SequenceLayout:
         """Bool [local_len]: which of this rank's positions are real tokens (not padding)."""
         return self.local_positions(device) < self.seq_len
 
+    def rank_order(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """The global positions of rank 0's tokens, then rank 1's, ...: what concatenating the slices gives."""
+        return torch.tensor([p for r in range(self.cp_size) for p in self.positions_of(r)], device=device)
+
+    def inverse_rank_order(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """Indices that put the rank-ordered concatenation back in global order."""
+        order = self.rank_order()
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(len(order))
+        return inverse.to(device)
+
     def restore(self, slices: list[torch.Tensor], dim: int) -> torch.Tensor:
         """Puts every rank's slice back in global order and drops the padding."""
         assert len(slices) == self.cp_size
-        order = [p for r in range(self.cp_size) for p in self.positions_of(r)]
         stacked = torch.cat(slices, dim)
-        inverse = torch.empty(len(order), dtype=torch.long)
-        inverse[torch.tensor(order)] = torch.arange(len(order))
-        return stacked.index_select(dim, inverse.to(stacked.device)).narrow(dim, 0, self.seq_len)
+        return stacked.index_select(dim, self.inverse_rank_order(stacked.device)).narrow(dim, 0, self.seq_len)
 
 
 def gather_sequence(

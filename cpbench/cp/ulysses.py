@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from .comm import all_to_all
-from .hf_compat import ModuleView
+from .hf_compat import ModuleView, model_config
 from .layout import SequenceLayout
 
 
@@ -47,19 +47,16 @@ def _kv_for_heads(kv_bhsd: torch.Tensor, num_heads: int, cp: int) -> tuple[torch
 
 
 def _to_global_order(x_bhsd: torch.Tensor, layout: SequenceLayout) -> torch.Tensor:
+    """Tokens in rank order (as the all-to-all delivers them) -> global order, padding dropped."""
     if layout.kind != "contiguous":
-        order = [p for r in range(layout.cp_size) for p in layout.positions_of(r)]
-        inverse = torch.empty(len(order), dtype=torch.long)
-        inverse[torch.tensor(order)] = torch.arange(len(order))
-        x_bhsd = x_bhsd.index_select(2, inverse.to(x_bhsd.device))
+        x_bhsd = x_bhsd.index_select(2, layout.inverse_rank_order(x_bhsd.device))
     return x_bhsd[:, :, : layout.seq_len]
 
 
 def _to_layout_order(x_bhsd: torch.Tensor, layout: SequenceLayout) -> torch.Tensor:
     x_bhsd = layout.pad(x_bhsd, dim=2)
     if layout.kind != "contiguous":
-        order = torch.tensor([p for r in range(layout.cp_size) for p in layout.positions_of(r)])
-        x_bhsd = x_bhsd.index_select(2, order.to(x_bhsd.device))
+        x_bhsd = x_bhsd.index_select(2, layout.rank_order(x_bhsd.device))
     return x_bhsd
 
 
@@ -72,7 +69,7 @@ def ulysses_attention(module, query, key, value, attention_mask, *, inner, group
     k_bhsd = _to_global_order(_seq_to_heads(k_src, group, cp), layout)
     v_bhsd = _to_global_order(_seq_to_heads(v_src, group, cp), layout)
 
-    local = ModuleView(module, num_key_value_groups=(num_heads // cp) // kv_local)
+    local = ModuleView(module, num_key_value_groups=(num_heads // cp) // kv_local, config=model_config(module))
     out_bshd, _ = inner(local, q_bhsd, k_bhsd, v_bhsd, attention_mask, **kwargs)
     out_bhsd = _to_layout_order(out_bshd.transpose(1, 2), layout)
     return _heads_to_seq(out_bhsd, group, cp).transpose(1, 2).contiguous(), None

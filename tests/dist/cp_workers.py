@@ -99,23 +99,28 @@ def fsdp_cp_worker(path: str, attn: str) -> dict:
     }
 
 
-CALLS = {"n": 0}
+CALLS = {"n": 0, "inner_sees": set()}
 
 
-def counting_ulysses(module, query, key, value, attention_mask, **kwargs):
-    """A custom style: Ulysses that counts its calls (to show the plan routes attention through it)."""
+def counting_ulysses(module, query, key, value, attention_mask, *, inner, **kwargs):
+    """A custom style: Ulysses that counts its calls (to show the plan routes attention through it) and records
+    which attention implementation the model's inner attention function sees on the module it is handed."""
     from cpbench.cp.ulysses import ulysses_attention
 
+    def recording_inner(mod, *args, **kw):
+        CALLS["inner_sees"].add(mod.config._attn_implementation)
+        return inner(mod, *args, **kw)
+
     CALLS["n"] += 1
-    return ulysses_attention(module, query, key, value, attention_mask, **kwargs)
+    return ulysses_attention(module, query, key, value, attention_mask, inner=recording_inner, **kwargs)
 
 
 def custom_style_worker(path: str, attn: str) -> dict:
     cpbench.register_attention_style("test_counting_ulysses", counting_ulysses, replace=True)
     model = _load(path, attn, cp_size=2, cp_plan={"model.layers.*.self_attn": "test_counting_ulysses"})
-    CALLS["n"] = 0
+    CALLS["n"], CALLS["inner_sees"] = 0, set()
     result = _parity(model, make_batch("packed"), path, attn, 2)
-    return {"calls": CALLS["n"], "plan": dict(model.cp_plan), **result}
+    return {"calls": CALLS["n"], "inner_sees": CALLS["inner_sees"], "plan": dict(model.cp_plan), **result}
 
 
 def save_worker(path: str, attn: str, out_dir: str) -> dict:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen3Config
 
@@ -111,6 +113,8 @@ def worst_grad_error(grads: dict, ref: dict) -> tuple[float, str]:
     for name, g in grads.items():
         r = ref[name]
         err = ((g - r).norm() / r.norm().clamp(min=1e-30)).item()
+        if math.isnan(err):  # NaN compares false with everything: report it as the worst possible error
+            return math.inf, f"{name} (NaN)"
         if err > worst:
             worst, where = err, name
     return worst, where

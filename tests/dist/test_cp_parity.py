@@ -70,6 +70,8 @@ def test_custom_attention_style(spawn, tmp_path):
     for rank_result in spawn(w.custom_style_worker, 2, path, "sdpa"):
         check(rank_result)
         assert rank_result["calls"] == 2  # one per layer: attention went through the custom style
+        # flash attention picks its kernel from this: it must be the model's implementation, not CP's dispatch key
+        assert rank_result["inner_sees"] == {"sdpa"}
         assert rank_result["plan"]["model.layers.*.self_attn"] == "test_counting_ulysses"
 
 

@@ -98,17 +98,3 @@ def test_cp_matches_unsharded(results, family, attn, style, kind):
         assert errs["loss"] <= LOSS_RTOL, f"rank {rank}: loss relative error {errs['loss']:.3g}"
         assert errs["logits"] <= LOGITS_ATOL, f"rank {rank}: logits error {errs['logits']:.3g}"
         assert errs["grad"] <= GRAD_RTOL, f"rank {rank}: gradient error {errs['grad']:.3g} in {errs['grad_where']}"
-
-
-def test_worst_errors_per_family_and_style(results, capsys):
-    """Not a check: prints the worst errors per (family, attn, style) over the batch kinds, for the record."""
-    for family, attn in configs():
-        for style in STYLES:
-            errs = [r[case_key(family, attn, style, k)] for r in results for k in KINDS]
-            worst = {name: max(e[name] for e in errs) for name in ("loss", "logits", "grad")}
-            with capsys.disabled():
-                print(
-                    f"\n{family:8s} {attn:5s} {style:15s} loss {worst['loss']:.1e}  logits {worst['logits']:.1e}  "
-                    f"grad {worst['grad']:.1e}",
-                    end="",
-                )

@@ -199,19 +199,3 @@ def test_ring_p2p_transfers_are_what_the_algorithm_says(results, world):
     for key, per_rank in results[world].items():
         for rank, errs in enumerate(per_rank):
             assert errs["p2p"] == errs["p2p_expected"] == expected, (key, rank)
-
-
-def test_worst_errors_per_kind(results, capsys):
-    """Not a check: prints the worst error per mask kind and dtype (over everything else) for the record."""
-    for dtype in DTYPES:
-        for kind in KINDS:
-            worst = max(
-                errs[name]
-                for per_cp in results.values()
-                for key, per_rank in per_cp.items()
-                if key.startswith(kind + "-") and key.endswith(dtype)
-                for errs in per_rank
-                for name in ("out", "lse", "dq", "dk", "dv")
-            )
-            with capsys.disabled():
-                print(f"\nring worst error {dtype} {kind}: {worst:.2e} (tolerance {TOL[dtype]:.1e})", end="")

@@ -43,7 +43,7 @@ def test_cp_plan_must_be_a_dict():
 
 def test_old_torch_is_refused(monkeypatch):
     monkeypatch.setattr(config_module, "_torch_version", lambda: (2, 9))
-    with pytest.raises(OSError, match=r"needs torch>=2\.10.*set `cp_size=1`"):
+    with pytest.raises(ValueError, match=r"needs torch>=2\.10.*set `cp_size=1`"):
         cpbench.DistributedConfig(cp_size=2)
 
 
@@ -102,3 +102,17 @@ def test_family_without_default_plan_needs_one():
         resolve_for(model, cpbench.DistributedConfig(cp_size=2))
     plan = {"model.layers.*": "cp_split_sequence", "model.layers.*.self_attn": "cp_ulysses"}
     assert resolve_for(model, cpbench.DistributedConfig(cp_size=2, cp_plan=plan)).attention_modules
+
+
+def test_the_inner_attention_sees_the_models_implementation():
+    # flash_attention_forward picks its kernel from module.config._attn_implementation: behind the CP view the
+    # module reports cpbench's dispatch key, so the view handed to the inner attention must restore the model's.
+    from cpbench.cp import hf_compat
+
+    model = _tiny(attn="sdpa")
+    attn = model.model.layers[0].self_attn
+    hf_compat.bind_attention(attn, object())
+    assert attn.config._attn_implementation == hf_compat.CP_ATTENTION_KEY
+    view = hf_compat.ModuleView(attn, config=hf_compat.model_config(attn))
+    assert view.config._attn_implementation == "sdpa"
+    assert view.num_key_value_groups == attn.num_key_value_groups and view.q_proj is attn.q_proj
