@@ -8,8 +8,10 @@ be refreshed on purpose.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import pandas as pd
 
 from . import units
@@ -135,28 +137,43 @@ def _parity_regression(base: pd.Series, run: pd.Series) -> list[Finding]:
 def _judge_metric(point: str, old, new, rule: Rule) -> Finding | None:
     if rule.samples:
         return _judge_sample_metric(point, old, new, rule)
-    if pd.isna(old) or pd.isna(new):
-        if pd.notna(old):
-            return Finding("warn", point, rule.metric, f"{rule.metric}: {_fmt(rule.metric, old)} → missing")
+    if pd.isna(new):
+        if pd.isna(old):
+            return None  # measured in neither run (null: the measurement does not apply to this point)
+        # a NaN (or a value that was measured and now is not) is never better: judged by the rule's action
+        return Finding(rule.action, point, rule.metric,
+                       f"{rule.metric}: {_fmt(rule.metric, old)} → NaN (not a number, or no longer measured)")
+    if pd.isna(old):
         return None
     delta = float(new) - float(old)
-    worse = delta if rule.direction == "lower" else -delta
     if abs(delta) <= rule.abs_threshold:
         return None
-    rel = worse / abs(old) if old else float("inf")
+    worse = delta if rule.direction == "lower" else -delta  # > 0: the change went the worse way
+    # from 0 any change is infinitely large, in the direction it went: an improvement from 0 is not a failure
+    rel = worse / abs(old) if old else math.copysign(math.inf, worse)
     text = (f"{rule.metric}: {_fmt(rule.metric, old)} → {_fmt(rule.metric, new)} "
             f"({units.change(old, new)}, {'+' if delta > 0 else ''}{_fmt(rule.metric, delta)})")
-    if rel > rule.threshold:
+    if worse > 0 and rel > rule.threshold:
         return Finding(rule.action, point, rule.metric, f"{text}; rule: {rule.direction} is better, "
                                                         f"at most {rule.threshold * 100:+.1f}% the other way")
-    if rule.improvement and -rel >= rule.improvement:
+    if worse < 0 and rule.improvement and -rel >= rule.improvement:
         return Finding("improvement", point, rule.metric, text)
     return None
 
 
 def _judge_sample_metric(point: str, old, new, rule: Rule) -> Finding | None:
-    if old is None or new is None or len(old) == 0 or len(new) == 0:
-        return None
+    old_n, new_n = _count(old), _count(new)
+    if old_n == 0:
+        return None  # nothing to compare against
+    if new_n == 0:
+        return Finding(rule.action, point, rule.metric, f"{rule.metric}: {old_n} samples → none")
+    bad = int((~np.isfinite(np.asarray(new, dtype=float))).sum())
+    if bad:  # a NaN compares false with everything: left in, a broken measurement would pass
+        return Finding(rule.action, point, rule.metric,
+                       f"{rule.metric}: {bad} of {new_n} samples are NaN or infinite (a broken measurement)")
+    if not np.isfinite(np.asarray(old, dtype=float)).all():
+        return Finding("warn", point, rule.metric,
+                       f"{rule.metric}: the baseline's samples hold NaN or infinity; not judged — refresh the baseline")
     verdict = judge_samples(old, new, rule)
     text = (f"{rule.metric}: median {_fmt(rule.metric, pd.Series(old).median())} → "
             f"{_fmt(rule.metric, pd.Series(new).median())} (×{verdict.ratio:.3f}; {verdict.evidence})")
@@ -166,6 +183,10 @@ def _judge_sample_metric(point: str, old, new, rule: Rule) -> Finding | None:
     if verdict.better:
         return Finding("improvement", point, rule.metric, text)
     return None
+
+
+def _count(samples) -> int:
+    return 0 if samples is None or (isinstance(samples, float) and math.isnan(samples)) else len(samples)
 
 
 def _fmt(metric: str, value) -> str:

@@ -136,3 +136,47 @@ def test_a_warn_rule_lists_but_does_not_fail(baseline):
     run["rss_peak_bytes"] = run["rss_peak_bytes"] * 2
     result = gate(baseline, run, RULES)
     assert result.exit_code == 0 and {f.what for f in result.of("warn")} == {"rss_peak_bytes"}
+
+
+TOKENS = Rule(metric="tokens_per_s", direction="higher", threshold=0.1, improvement=0.05)
+GRAD = Rule(metric="grad_max_rel_err", direction="lower", threshold=1.0, abs_threshold=1e-6, improvement=0.05)
+
+
+@pytest.mark.parametrize("rule, new, kind", [
+    (TOKENS, 500.0, "improvement"),    # higher is better, 0 → more: better, not a failure
+    (TOKENS, -500.0, "fail"),          # higher is better, 0 → less: worse
+    (GRAD, 1e-3, "fail"),              # lower is better, 0 → more: worse
+    (GRAD, -1e-3, "improvement"),      # lower is better, 0 → less: better
+])
+def test_a_change_from_zero_is_judged_by_the_way_it_went(baseline, rule, new, kind):
+    base = baseline.copy()
+    base.loc[row_of(base, RING_512), rule.metric] = 0.0
+    run = base.copy()
+    run.loc[row_of(run, RING_512), rule.metric] = new
+    result = gate(base, run, [rule])
+    assert [(f.kind, f.point, f.what) for f in result.findings] == [(kind, RING_512, rule.metric)]
+    assert result.exit_code == (1 if kind == "fail" else 0)
+
+
+@pytest.mark.parametrize("metric", ["grad_max_rel_err", "loss_rel_err", "logits_max_err", "peak_bytes"])
+def test_a_nan_metric_in_the_run_fails(baseline, metric):
+    run = baseline.copy()
+    run[metric] = run[metric].astype(float)
+    run.loc[row_of(run, RING_512), metric] = float("nan")
+    result = gate(baseline, run, RULES)
+    assert failures(result) == [(RING_512, metric)]
+    assert "→ NaN" in result.of("fail")[0].message
+
+
+def test_a_nan_step_time_sample_fails(baseline):
+    run = baseline.copy()
+    index = row_of(run, RING_512)
+    run.at[index, "step_times_s"] = list(run.at[index, "step_times_s"][:-1]) + [float("nan")]
+    result = gate(baseline, run, RULES)
+    assert failures(result) == [(RING_512, "step_times_s")]
+    assert "1 of 10 samples are NaN" in result.of("fail")[0].message
+
+
+def test_a_metric_null_in_both_runs_is_not_judged(baseline):
+    base = baseline.assign(grad_max_rel_err=float("nan"))
+    assert gate(base, base.copy(), RULES).findings == []
