@@ -6,15 +6,15 @@ import pyarrow.parquet as pq
 import pytest
 
 from cpbench.report import derive
-from cpbench.report.load import file_schema_version, latest_run, load_run
-from cpbench.report.schema import SCHEMA_VERSION
+from cpbench.report import store
+from cpbench.report.load import latest_run, load_run, parquet_path
+from cpbench.report.schema import ARROW_SCHEMA, SCHEMA_VERSION
 from tests.report_fixtures import make_run, write_run
 
 
 def test_reads_a_run_directory_and_its_file(tmp_path):
     run_dir = write_run(make_run(), tmp_path / "suite" / "run")
     assert len(load_run(run_dir)) == len(load_run(run_dir / "runs.parquet")) == 12
-    assert file_schema_version(run_dir) == SCHEMA_VERSION
     assert latest_run(tmp_path) == run_dir
 
 
@@ -23,13 +23,27 @@ def test_missing_run_names_the_path_and_the_fix(tmp_path):
         load_run(tmp_path / "nope")
 
 
-def test_other_schema_version_is_refused_unless_allowed(tmp_path):
-    frame = make_run()
-    frame["schema_version"] = SCHEMA_VERSION + 1
-    run_dir = write_run(frame, tmp_path)
-    with pytest.raises(ValueError, match=rf"schema_version \[{SCHEMA_VERSION + 1}\]"):
-        load_run(run_dir)
-    assert len(load_run(run_dir, allow_schema_mismatch=True)) == 12
+def test_the_run_file_is_where_the_store_writes_it(tmp_path):
+    written = store.write_table(tmp_path / "run", store.to_table([]))
+    assert parquet_path(tmp_path / "run") == written == store.runs_path(tmp_path / "run")
+    assert parquet_path(written) == written
+
+
+def _write_with_version(frame, path, version):
+    schema = ARROW_SCHEMA.with_metadata({b"cpbench_schema_version": str(version).encode()})
+    pq.write_table(pa.Table.from_pandas(frame, schema=schema, preserve_index=False), path)
+    return path
+
+
+def test_other_schema_version_is_refused_like_the_store_refuses_it_unless_allowed(tmp_path):
+    path = _write_with_version(make_run(), tmp_path / "runs.parquet", SCHEMA_VERSION + 1)
+    with pytest.raises(ValueError) as by_store:
+        store.read_table(path)
+    with pytest.raises(ValueError) as by_report:
+        load_run(path)
+    assert str(by_report.value) == str(by_store.value)  # one check, one message
+    assert f"schema version {SCHEMA_VERSION + 1}" in str(by_report.value)
+    assert len(load_run(path, allow_schema_mismatch=True)) == 12
 
 
 def test_a_parquet_file_of_something_else_is_refused(tmp_path):
