@@ -10,6 +10,7 @@ from pathlib import Path
 import pandas as pd
 import pyarrow.parquet as pq
 
+from .match import check_unique
 from .schema import COLUMNS, SCHEMA_VERSION
 from .store import RUNS_FILE, read_table, runs_path
 
@@ -26,7 +27,8 @@ def parquet_path(path: str | Path, what: str = "run") -> Path:
 
 
 def load_run(path: str | Path, *, allow_schema_mismatch: bool = False, what: str = "run") -> pd.DataFrame:
-    """All rows of a run, in their Parquet order. Refuses a file of another schema version unless allowed."""
+    """All rows of a run, in their Parquet order. Refuses a file of another schema version unless allowed, and
+    a run that holds the same point more than once (which row to report or gate would be a silent pick)."""
     file = parquet_path(path, what)
     missing = [name for name in COLUMNS if name not in pq.read_schema(file).names]
     if missing:
@@ -37,6 +39,7 @@ def load_run(path: str | Path, *, allow_schema_mismatch: bool = False, what: str
     # The version check is the store's (the version the writer declared in the file's metadata), so the harness
     # and the report refuse the same files; the per-row column is only compared between runs (gate.check_comparable).
     frame = (pq.read_table(file) if allow_schema_mismatch else read_table(file)).to_pandas()
+    check_unique(frame, f"{what} {file}")
     frame.attrs["source"] = str(file)
     return frame
 

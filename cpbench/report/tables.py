@@ -12,6 +12,7 @@ import pandas as pd
 
 from . import units
 from .derive import ordered_configs, with_config
+from .match import check_unique
 
 NOT_RUN = "—"  # the sweep has no such point
 STATUS_TEXT = {"oom": "out of memory", "timeout": "timeout", "error": "error", "skipped": "skipped"}
@@ -34,12 +35,7 @@ def cell(row: pd.Series) -> str:
 def comparison(frame: pd.DataFrame) -> pd.DataFrame:
     """The table as a DataFrame of strings: index `seq_len`, one column per configuration."""
     labelled = with_config(frame)
-    duplicated = labelled[labelled.duplicated(["config", "seq_len"], keep=False)]
-    if len(duplicated):
-        raise ValueError(
-            f"point_id: the run holds the same point more than once ({sorted(set(duplicated['point_id']))}); "
-            f"remove the duplicate rows (a resumed sweep must not repeat points) or rerun the sweep"
-        )
+    check_unique(frame, "run")  # one cell per point
     cells = labelled.assign(cell=labelled.apply(cell, axis=1) if len(labelled) else [])
     table = cells.pivot(index="seq_len", columns="config", values="cell")
     table = table.reindex(columns=ordered_configs(frame)).sort_index().fillna(NOT_RUN)

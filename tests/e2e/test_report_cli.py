@@ -4,6 +4,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from cpbench.cli import main
@@ -90,3 +91,15 @@ def test_the_module_entry_point_returns_the_gate_exit_code(runs):
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 1, done.stderr
     assert f"{RING_512}  parity failed" in done.stdout
+
+
+@pytest.mark.parametrize("command", ["report", "compare", "gate"])
+def test_a_run_holding_a_point_twice_exits_2_naming_it(runs, capsys, command):
+    frame = make_run(seed=1, run_id="run-b")
+    write_run(pd.concat([frame, frame[frame["point_id"] == RING_512]], ignore_index=True), runs["run"])
+    args = {"report": ["report", str(runs["run"])],
+            "compare": ["compare", str(runs["baseline"]), str(runs["run"])],
+            "gate": ["gate", "--baseline", str(runs["baseline"]), str(runs["run"])]}[command]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "holds the same point more than once" in err and f"{RING_512} (2 rows)" in err
