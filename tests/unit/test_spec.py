@@ -68,6 +68,26 @@ def test_overrides_name_the_model():
     (BASE + 'memory_budget = "lots"\n', "memory_budget", "80GiB"),
     (BASE + "colour = 1\n", "unknown suite fields ['colour']", "Known fields"),
     (BASE + '[faults]\n"*" = "crash"\n', "faults", "--allow-faults"),
+    # wrong types: each used to pass validation and fail later (a traceback, pyarrow, or after the launch)
+    (BASE + "model_overrides = 3\n", "`model_overrides` = 3", "must be a table"),
+    (BASE + 'world_size = "8"\n', "`world_size` = '8'", "must be an integer"),
+    (BASE.replace('name = "t"', "name = 5"), "`name` = 5", "must be a string"),
+    (BASE + 'seed = "x"\n', "`seed` = 'x'", "must be an integer"),
+    (BASE + "batch_size = true\n", "`batch_size` = True", "not a boolean"),
+    (BASE + "measured_steps = 2.5\n", "`measured_steps` = 2.5", "must be an integer"),
+    (BASE + "timeout_s = true\n", "`timeout_s` = True", "number of seconds"),
+    (BASE.replace("[128, 64]", "[128, true]"), "`seq_lens`", "list of integers"),
+    (BASE.replace('["cp_ulysses", "cp_ring"]', '["cp_ulysses", 2]'), "`cp_styles`", "list of strings"),
+    (BASE + "seed = -1\n", "`seed` = -1", ">= 0"),
+    # the world: never launched with 0 ranks, and fsdp_size cannot contradict world_size
+    (BASE + "world_size = 0\n", "`world_size` = 0", ">= 1"),
+    (BASE.replace("[1, 2]", "[1, 4]") + "world_size = 2\n", "`cp_sizes` = 4", "divide the world"),
+    (BASE + "world_size = 4\nfsdp_size = 2\n", "`fsdp_size` = 2", "Remove fsdp_size"),
+    # what a style cannot serve, from the style registry
+    (BASE.replace('"sdpa"]', '"flex_attention"]'), "`attn_implementations` = 'flex_attention'",
+     "cp_ring serves only"),
+    (BASE.replace('"sdpa"]', '"flash_attention_2"]') + 'device = "cuda"\n', "flash_attention_2",
+     'dtype = \"bfloat16\"'),
 ])
 def test_bad_suites_are_refused_naming_the_field_and_the_fix(text, field, fix):
     with pytest.raises(ValueError) as e:
@@ -103,3 +123,24 @@ def test_the_default_suite_is_shipped_as_a_file_and_covers_the_required_grid():
 def test_every_shipped_suite_validates(name):
     suite = resolve_suite(ROOT / "suites" / name)
     assert suite.points()
+
+
+def test_ring_styles_are_refused_exactly_the_backends_their_registration_does_not_serve():
+    from cpbench.cp import STYLES
+
+    served = STYLES.get("cp_ring").implementations
+    assert served is not None and "sdpa" in served
+    for backend in ("eager", "sdpa", "flex_attention"):
+        text = BASE.replace('["eager", "sdpa"]', f'["{backend}"]').replace('"cp_ulysses", ', "")
+        if backend in served:
+            assert _load(text).points()
+        else:
+            with pytest.raises(ValueError, match="cp_ring serves only"):
+                _load(text)
+    # at cp 1 no style runs, so nothing is refused
+    assert _load(BASE.replace("[1, 2]", "[1]").replace('"sdpa"]', '"flex_attention"]')).points()
+
+
+def test_world_size_with_a_matching_fsdp_size_is_accepted():
+    s = _load(BASE.replace("[1, 2]", "[2]") + "world_size = 4\nfsdp_size = 2\n")
+    assert {(p.cp_size, p.fsdp_size, p.world_size) for p in s.points()} == {(2, 2, 4)}
