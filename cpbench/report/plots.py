@@ -39,8 +39,9 @@ def _empty(ax, message: str) -> None:
 
 
 def capacity_bytes(frame: pd.DataFrame, explicit: float | None = None) -> tuple[float, str] | None:
-    """The memory line to draw: an explicit capacity, else the sweep's --memory-budget (when it had one)."""
-    if explicit:
+    """The memory line to draw: an explicit capacity (bytes, e.g. `--device-memory` through units.parse_bytes),
+    else the sweep's --memory-budget (when it had one)."""
+    if explicit is not None:
         return float(explicit), "device capacity"
     budgets = frame["memory_budget_bytes"].dropna()
     return (float(budgets.max()), "memory budget") if len(budgets) else None

@@ -8,6 +8,7 @@ import pandas as pd
 import pytest
 
 from cpbench.cli import main
+from cpbench.report import plots
 from tests.report_fixtures import make_run, row_of, write_run
 
 ROOT = Path(__file__).parents[2]
@@ -103,3 +104,17 @@ def test_a_run_holding_a_point_twice_exits_2_naming_it(runs, capsys, command):
     assert main(args) == 2
     err = capsys.readouterr().err
     assert "holds the same point more than once" in err and f"{RING_512} (2 rows)" in err
+
+
+def test_report_device_memory_reaches_the_memory_plot_in_bytes(runs, monkeypatch):
+    seen = []
+    draw = plots.FIGURES["memory"]
+    monkeypatch.setitem(plots.FIGURES, "memory", lambda frame, capacity=None: seen.append(capacity) or draw(frame, capacity))
+    assert main(["report", str(runs["run"]), "--device-memory", "80GB"]) == 0
+    assert seen == [80 * 10**9]
+
+
+def test_report_refuses_a_device_memory_it_cannot_read(runs, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["report", str(runs["run"]), "--device-memory", "80 gigs"])
+    assert exit_.value.code == 2 and "write a size like 80GiB" in capsys.readouterr().err

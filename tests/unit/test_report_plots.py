@@ -3,6 +3,7 @@
 import pytest
 
 from cpbench.report import page, plots
+from cpbench.report.units import GIB, parse_bytes
 from tests.report_fixtures import make_run
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -38,3 +39,20 @@ def test_a_run_where_nothing_finished_still_draws(tmp_path):
     frame = make_run(seq_lens=(256,), cp_sizes=(1,), oom_cp1_at=256)
     paths = plots.save_all(frame, tmp_path)
     assert all(p.read_bytes().startswith(PNG) for p in paths.values())
+
+
+def _lines(fig):
+    return {line.get_label(): line.get_ydata()[0] for line in fig.axes[0].get_lines() if len(set(line.get_ydata())) == 1}
+
+
+def test_the_capacity_line_is_drawn_where_parse_bytes_puts_it():
+    frame = make_run(oom_cp1_at=None)
+    lines = _lines(plots.memory_figure(frame, capacity=parse_bytes("1.5GB", field_name="--device-memory")))
+    assert lines["device capacity"] == pytest.approx(1.5e9 / GIB)  # GB is 10^9 bytes, drawn in GiB
+    assert _lines(plots.memory_figure(frame, capacity=parse_bytes("2GiB")))["device capacity"] == pytest.approx(2.0)
+
+
+def test_without_a_capacity_the_sweeps_memory_budget_is_drawn():
+    frame = make_run()  # cp=1 ran out of a 256 MiB budget
+    assert _lines(plots.memory_figure(frame)) == {"memory budget": pytest.approx(0.25)}
+    assert "memory budget" not in _lines(plots.memory_figure(frame, capacity=GIB))
