@@ -144,3 +144,17 @@ def test_ring_styles_are_refused_exactly_the_backends_their_registration_does_no
 def test_world_size_with_a_matching_fsdp_size_is_accepted():
     s = _load(BASE.replace("[1, 2]", "[2]") + "world_size = 4\nfsdp_size = 2\n")
     assert {(p.cp_size, p.fsdp_size, p.world_size) for p in s.points()} == {(2, 2, 4)}
+
+
+def test_the_default_suite_measures_enough_steps_for_the_gate_time_test_to_reach_its_alpha():
+    import math
+    import tomllib
+
+    from cpbench.report.gate_rules import Rule
+
+    n = resolve_suite(None).measured_steps
+    rules = tomllib.loads((ROOT / "results" / "baselines" / "gate-rules.toml").read_text())
+    alphas = [Rule(metric="step_times_s", test="mannwhitney").alpha] + [
+        v["alpha"] for v in rules.get("metrics", {}).values() if isinstance(v, dict) and "alpha" in v]
+    # the smallest one-sided p-value of an exact Mann-Whitney test with n vs n samples
+    assert 1 / math.comb(2 * n, n) < min(alphas), (n, alphas)
