@@ -7,6 +7,7 @@ import os
 import platform
 import socket
 import subprocess
+import warnings
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -58,14 +59,19 @@ def fingerprint(device: str) -> dict:
 
 
 def _driver_version() -> str | None:
+    """The NVIDIA driver version, or None: without nvidia-ml-py the column is null by design (it is an optional
+    dependency, and torch's own CUDA version is recorded anyway); an NVML failure is reported, not hidden."""
     try:
         import pynvml
-
+    except ImportError:
+        return None
+    try:
         pynvml.nvmlInit()
         v = pynvml.nvmlSystemGetDriverVersion()
-        return v.decode() if isinstance(v, bytes) else v
-    except Exception:  # noqa: BLE001 - no NVML means the column is null, not a failed sweep
+    except pynvml.NVMLError as e:
+        warnings.warn(f"cpbench: driver_version is null: NVML failed: {e}", stacklevel=2)
         return None
+    return v.decode() if isinstance(v, bytes) else v
 
 
 def now_iso() -> str:

@@ -115,6 +115,7 @@ class CudaMemoryProbe:
             "params_bytes": params, "grads_bytes": grads, "optimizer_bytes": opt,
             "activations_bytes": max(0, self.peak - params - grads - opt),
             "breakdown_source": "at-rest sizes; activations = peak - the rest",
+            "notes": [self.sampler.error] if self.sampler.error else [],
         }
 
 
@@ -132,15 +133,16 @@ class NvmlSampler:
     def __init__(self, device_index: int, interval_s: float = 0.005):
         self.peak: int | None = None
         self.interval_s = interval_s
+        self.error: str | None = None  # why `peak` is null (or partial); goes into the row's status_detail
         try:
             import pynvml
 
             pynvml.nvmlInit()
             self._handle = pynvml.nvmlDeviceGetHandleByIndex(device_index)
             self._read = lambda: pynvml.nvmlDeviceGetMemoryInfo(self._handle).used
-        except Exception as e:  # noqa: BLE001 - NVML is optional: no driver library means a null column
+        except Exception as e:  # noqa: BLE001 - NVML is optional: the column is null and the row says why
             self._read = None
-            self.error = f"NVML unavailable: {e}"
+            self.error = f"NVML unavailable, device_peak_bytes is null: {type(e).__name__}: {e}"
 
     def __enter__(self):
         if self._read is None:
@@ -152,7 +154,11 @@ class NvmlSampler:
 
     def _loop(self):
         while not self._stop.is_set():
-            used = self._read()
+            try:
+                used = self._read()
+            except Exception as e:  # noqa: BLE001 - recorded (see `error`); the measurement goes on without it
+                self.error = f"NVML sampling failed, device_peak_bytes is partial: {type(e).__name__}: {e}"
+                return
             self.peak = used if self.peak is None else max(self.peak, used)
             time.sleep(self.interval_s)
 

@@ -57,7 +57,7 @@ def measured_row(point: Point, records: list[dict], wall_s: float, **ctx) -> dic
     peaks = [r["peak_bytes"] for r in records]
     top = records[peaks.index(max(peaks))]
     row.update(
-        status="ok", status_detail=None, wall_s=wall_s, num_params=records[0]["num_params"],
+        status="ok", status_detail=_notes(records), wall_s=wall_s, num_params=records[0]["num_params"],
         model_type=records[0]["model_type"], parity_mode=records[0]["parity_mode"],
         peak_bytes=max(peaks), peak_bytes_per_rank=peaks,
         **_per_rank(records, "reserved_bytes"), **_per_rank(records, "device_peak_bytes"),
@@ -70,8 +70,15 @@ def measured_row(point: Point, records: list[dict], wall_s: float, **ctx) -> dic
     row.update(records[0].get("parity") or {"parity_status": "error", "parity_detail": "rank 0 sent no parity"})
     budget = ctx.get("budget")
     if budget is not None and row["peak_bytes"] > budget:
-        row.update(status="oom", status_detail=f"peak {row['peak_bytes']} bytes > memory budget {budget} bytes")
+        why = f"peak {row['peak_bytes']} bytes > memory budget {budget} bytes"
+        row.update(status="oom", status_detail="; ".join(filter(None, [why, row["status_detail"]])))
     return row
+
+
+def _notes(records: list[dict]) -> str | None:
+    """Why a measured column is null or partial (e.g. NVML unavailable), once per distinct message."""
+    notes = [f"rank {r['rank']}: {n}" if len(records) > 1 else n for r in records for n in r.get("notes", [])]
+    return "; ".join(dict.fromkeys(notes)) or None
 
 
 def _per_rank(records: list[dict], name: str) -> dict:
