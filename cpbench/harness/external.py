@@ -10,12 +10,17 @@ A rank that raises writes its error record and exits; torchrun then ends the oth
 
 from __future__ import annotations
 
+import sys
+
+import pandas as pd
+
 from cpbench.report import store
 from cpbench.report.units import parse_bytes
 
 from . import rows, worker
 from .env import fingerprint
 from .records import LaunchRecords
+from .sweep import failures
 
 from .suites import resolve_suite
 
@@ -35,11 +40,16 @@ def run_external(args) -> int:
     if worker.rank_env()[0] != 0:
         return 0
     ctx = {"run_id": run_dir.name, "env": fingerprint(suite.device), "budget": budget}
+    written = []
     for point, result in LaunchRecords(records_dir, points).harvest():
         if result["kind"] == "records":
             row = rows.measured_row(point, result["records"], result["wall_s"], **ctx)
         else:
             row = rows.outcome_row(point, result["status"], result["message"], result["wall_s"], **ctx)
         store.append_rows(run_dir, [row])
+        written.append(row)
     print(f"{len(points)} point(s) -> {store.runs_path(run_dir)}")
-    return 0
+    failed = failures(pd.DataFrame(written, columns=["point_id", "status", "parity_status"]))
+    if failed:
+        print("cpbench run: " + "; ".join(failed), file=sys.stderr)
+    return 1 if failed else 0

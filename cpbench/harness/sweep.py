@@ -48,14 +48,31 @@ class SweepOptions:
 
 
 def pick_run_dir(suite_dir: Path, run: str | None, resume: bool) -> Path:
+    """`--run-name NAME` names the folder; `--resume` alone takes the run written most recently (by the mtime of
+    its runs.parquet, not its name: names need not sort by time). A named run that already has results is only
+    continued with `--resume`, never silently."""
     if run:
-        return suite_dir / run
+        run_dir = suite_dir / run
+        if not resume and (run_dir / store.RUNS_FILE).exists():
+            raise ValueError(
+                f"--run-name {run!r}: {run_dir} already has results. Pass --resume to finish that run, or choose "
+                "another --run-name (or none, for a timestamped one)."
+            )
+        return run_dir
     if resume:
-        existing = sorted(p for p in suite_dir.glob("*") if (p / store.RUNS_FILE).exists())
+        existing = [p for p in suite_dir.glob("*") if (p / store.RUNS_FILE).exists()]
         if existing:
-            return existing[-1]
+            return max(existing, key=lambda p: (p / store.RUNS_FILE).stat().st_mtime)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     return suite_dir / stamp
+
+
+def failures(df) -> list[str]:
+    """What makes `sweep`/`run` exit 1: a point that is `error` or `timeout`, or a parity that is `fail`.
+    `oom` and `skipped` are results (what fits), not failures."""
+    out = [f"{r['point_id']}: {r['status']}" for r in df.to_dict("records") if r["status"] in ("error", "timeout")]
+    out += [f"{r['point_id']}: parity fail" for r in df.to_dict("records") if r.get("parity_status") == "fail"]
+    return out
 
 
 def run_sweep(opts: SweepOptions) -> Path:

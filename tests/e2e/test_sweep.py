@@ -186,3 +186,51 @@ def test_one_point_under_an_external_torchrun_writes_the_same_row(run):
     assert row["status"] == "ok" and row["parity_status"] == "pass" and len(row["peak_bytes_per_rank"]) == 2
     # the same point as in the sweep (where it hung on purpose): same key, so runs can be matched
     assert row["point_key"] == run["df"].loc[pid, "point_key"]
+
+
+def _fake_run(monkeypatch, tmp_path: Path, statuses: list[tuple[str, str]]) -> Path:
+    """`run_sweep` replaced by one that writes rows with these (status, parity_status) and returns the run."""
+    import cpbench.harness.sweep as sweep_module
+
+    run_dir = tmp_path / "results" / "s" / "r"
+    rows = [{"point_id": f"p{i}", "status": s, "parity_status": ps} for i, (s, ps) in enumerate(statuses)]
+    store.append_rows(run_dir, rows)
+    monkeypatch.setattr(sweep_module, "run_sweep", lambda opts: run_dir)
+    return run_dir
+
+
+@pytest.mark.parametrize("statuses,rc", [
+    ([("ok", "pass"), ("oom", "error"), ("skipped", "skipped")], 0),  # oom/skipped are data
+    ([("ok", "pass"), ("timeout", "error")], 1),
+    ([("ok", "pass"), ("error", "error")], 1),
+    ([("ok", "fail"), ("ok", "pass")], 1),
+])
+def test_the_exit_code_says_whether_a_point_failed(monkeypatch, tmp_path, statuses, rc):
+    _fake_run(monkeypatch, tmp_path, statuses)
+    assert _sweep("default", "--out", str(tmp_path / "results")) == rc
+    assert main(["run", "default", "--point", "p0", "--point", "p1", "--no-progress"]) == rc  # `run` here too
+
+
+def test_run_names_an_existing_run_only_with_resume(tmp_path):
+    from cpbench.harness.sweep import pick_run_dir
+
+    store.append_rows(tmp_path / "done", [{"point_id": "p", "status": "ok"}])
+    with pytest.raises(ValueError, match="--resume"):
+        pick_run_dir(tmp_path, "done", resume=False)
+    assert pick_run_dir(tmp_path, "done", resume=True) == tmp_path / "done"
+    assert pick_run_dir(tmp_path, "new", resume=False) == tmp_path / "new"
+
+
+def test_resume_takes_the_most_recently_written_run_not_the_last_name(tmp_path):
+    from cpbench.harness.sweep import pick_run_dir
+
+    for name, mtime in (("zz-old", 1_000_000), ("aa-new", 2_000_000), ("mm", 1_500_000)):
+        path = store.append_rows(tmp_path / name, [{"point_id": "p", "status": "ok"}])
+        os.utime(path, (mtime, mtime))
+    assert pick_run_dir(tmp_path, None, resume=True) == tmp_path / "aa-new"
+
+
+def test_a_second_sweep_under_the_same_run_name_is_refused_naming_resume(tmp_path, capsys):
+    store.append_rows(tmp_path / "results" / "default-cpu" / "ci", [{"point_id": "p", "status": "ok"}])
+    assert _sweep("--out", str(tmp_path / "results"), "--run-name", "ci") == 2
+    assert "--resume" in capsys.readouterr().err
