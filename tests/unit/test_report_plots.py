@@ -30,7 +30,7 @@ def test_html_page_is_self_contained_with_table_and_images(report):
 
 def test_markdown_page_links_the_images_beside_it(report):
     text = report.markdown.read_text()
-    for name, path in report.plots.items():
+    for path in report.plots.values():
         assert f"]({path.relative_to(report.markdown.parent).as_posix()})" in text
     assert report.table.read_text().startswith("| seq len |")
 
