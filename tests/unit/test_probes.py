@@ -66,3 +66,4 @@ def test_a_failing_driver_query_warns_instead_of_hiding(monkeypatch):
     monkeypatch.setitem(sys.modules, "pynvml", fake)
     with pytest.warns(UserWarning, match="Driver Not Loaded"):
         assert env._driver_version() is None
+

@@ -1,0 +1,21 @@
+"""The sweep's printed summary: what the probes measured, rendered through cpbench.report.units."""
+
+from __future__ import annotations
+
+
+def test_the_sweep_summary_renders_numbers_through_report_units():
+    import pandas as pd
+
+    from cpbench.harness.summary import summary_table
+    from cpbench.report.units import human_bytes, ms
+
+    df = pd.DataFrame([
+        {"point_id": "a", "status": "ok", "peak_bytes": 3 * 2**30, "activations_bytes": 5 * 2**20,
+         "rss_peak_bytes": float("nan"), "step_time_median_s": 0.0456, "tokens_per_s": 12345.6,
+         "parity_status": "pass", "status_detail": None},
+        {"point_id": "b", "status": "skipped", "peak_bytes": None, "activations_bytes": None, "rss_peak_bytes": None,
+         "step_time_median_s": None, "tokens_per_s": None, "parity_status": "skipped", "status_detail": "why"},
+    ])
+    text = summary_table(df)
+    assert human_bytes(3 * 2**30) in text and human_bytes(5 * 2**20) in text and ms(0.0456) in text
+    assert "3.00 GiB" in text and "skipped: why" in text and "nan" not in text
