@@ -58,8 +58,10 @@ class Suite:
     timeout_s: float = 300.0
     seed: int = 0
     memory_budget: str | None = None
-    # point-id glob -> "crash" | "hang". Only honoured when loaded with allow_faults=True (the test hook,
-    # `cpbench sweep --allow-faults`); a fault is recorded in the point's spec_json.
+    # point-id glob -> "crash" | "hang", or {fault = "hang", timeout_s = 10} to give that point its own
+    # timeout (a hang costs its timeout; the other points keep the suite's). Only honoured when loaded with
+    # allow_faults=True (the test hook, `cpbench sweep --allow-faults`); a fault is recorded in the point's
+    # spec_json.
     faults: dict = field(default_factory=dict)
 
     def points(self) -> list["Point"]:
@@ -303,6 +305,13 @@ def _check_faults(suite: Suite, allow_faults: bool) -> None:
             "--allow-faults to `cpbench sweep` if you mean it.",
         )
     for pattern, fault in suite.faults.items():
+        if isinstance(fault, dict):
+            unknown = sorted(set(fault) - {"fault", "timeout_s"})
+            timeout = fault.get("timeout_s", 1.0)
+            if unknown or not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
+                raise _err(f"faults[{pattern!r}]", fault, 'write {fault = "hang", timeout_s = 10} (a positive '
+                           "number of seconds), or just the fault's name.")
+            fault = fault.get("fault")
         _check_choice(f"faults[{pattern!r}]", fault, FAULTS)
 
 
@@ -337,4 +346,9 @@ def _point(suite: Suite, model: str, cp: int, attn: str, style: str, seq_len: in
         seed=suite.seed,
     )
     fault = next((f for pat, f in suite.faults.items() if fnmatch.fnmatchcase(p.point_id, pat)), None)
-    return Point(**{**p.to_dict(), "fault": fault}) if fault else p
+    if not fault:
+        return p
+    if isinstance(fault, dict):
+        timeout = float(fault.get("timeout_s", p.timeout_s))
+        return Point(**{**p.to_dict(), "fault": fault["fault"], "timeout_s": timeout})
+    return Point(**{**p.to_dict(), "fault": fault})

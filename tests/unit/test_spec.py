@@ -104,6 +104,17 @@ def test_faults_need_the_test_hook_and_a_known_fault():
         _load(BASE + '[faults]\n"*" = "explode"\n', allow_faults=True)
 
 
+def test_a_hang_fault_can_carry_its_own_timeout():
+    text = BASE + '[faults]\n"*/s64/cp2/*" = { fault = "hang", timeout_s = 7 }\n'
+    points = _load(text, allow_faults=True).points()
+    hung = [p for p in points if p.fault]
+    assert hung and all(p.fault == "hang" and p.timeout_s == 7.0 for p in hung)
+    assert all(p.timeout_s == 300.0 for p in points if not p.fault)  # the others keep the suite's
+    for bad in ('{ fault = "hang", timeout_s = 0 }', '{ fault = "hang", timeout = 7 }', '{ fault = "nap" }'):
+        with pytest.raises(ValueError, match="faults"):
+            _load(BASE + f'[faults]\n"*" = {bad}\n', allow_faults=True)
+
+
 def test_sizes():
     assert parse_bytes("80GiB") == 80 * 2**30 and parse_bytes("1.5GB") == 1_500_000_000
     assert parse_bytes("512") == 512 and parse_bytes(7) == 7
