@@ -46,7 +46,7 @@ COLUMNS: dict[str, tuple[pa.DataType, str]] = {
     "spec_json": (pa.string(), "the full point spec as JSON"),
     # outcome
     "status": (pa.string(), "ok | oom | error | timeout | skipped"),
-    "status_detail": (pa.string(), "the error message, or why the point was skipped; null when ok"),
+    "status_detail": (pa.string(), "the error message, why the point was skipped, or notes on an ok point (e.g. why NVML is null)"),
     "wall_s": (pa.float64(), "wall time of the whole point, launch included"),
     # memory (max over ranks, and per rank)
     "peak_bytes": (pa.int64(), "peak memory per rank, max over ranks: CUDA max_memory_allocated, CPU peak live tensor bytes"),
