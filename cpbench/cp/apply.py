@@ -16,7 +16,7 @@ import torch.distributed as dist
 from . import hf_compat
 from .config import DistributedConfig
 from .layout import SequenceLayout
-from .loss import cp_causal_lm_loss
+from .forward import refuse_generate, wrap_forward
 from .mesh import CPDeviceMesh, build_mesh
 from .plan import ResolvedPlan, attention_style, default_cp_plan, merge_plan, refusal_reason, resolve_plan
 from .split import make_split_hook
@@ -55,9 +55,8 @@ def prepare(model_cls: type, config: DistributedConfig, device_map=None):
 
 def model_cp_plan(model: torch.nn.Module, config: DistributedConfig | None = None) -> dict[str, str] | None:
     """The model's full plan: the family default (or `config.base_model_cp_plan`) merged with the overrides."""
-    base = default_cp_plan(
-        model.config.model_type, model.base_model_prefix, getattr(model.config, "base_model_cp_plan", None)
-    )
+    prefix = model.base_model_prefix if model.base_model is not model else ""  # as transformers' tp_plan
+    base = default_cp_plan(model.config.model_type, prefix, getattr(model.config, "base_model_cp_plan", None))
     if base is None and not (config and config.cp_plan):
         return None
     return merge_plan(base, config.cp_plan if config else None)
@@ -65,6 +64,7 @@ def model_cp_plan(model: torch.nn.Module, config: DistributedConfig | None = Non
 
 def resolve_for(model: torch.nn.Module, config: DistributedConfig) -> ResolvedPlan:
     check_model_class(type(model), model.config.model_type)
+    check_model_head(model)
     names = [n for n, _ in model.named_modules()]
     plan = resolve_plan(model_cp_plan(model, config), names, cp_size=config.cp_size, model_name=type(model).__name__)
     for name, style_name in plan.attention_modules.items():
@@ -94,54 +94,38 @@ def apply_context_parallel(
     model.cp_plan = model_cp_plan(model, config)
     model.cp_resolved_plan = plan
     model.cp_group = group
-    if model.get_output_embeddings() is not None:
-        model.forward = _cp_lm_forward(model.forward, make_layout, group)
-    model.generate = _refuse_generate
+    model.forward = wrap_forward(model.forward, make_layout, group, causal_lm=_is_causal_lm(model))
+    model.generate = refuse_generate
     return model
+
+
+def _is_causal_lm(model: torch.nn.Module) -> bool:
+    return model.base_model is not model and model.get_output_embeddings() is not None
+
+
+def check_model_head(model: torch.nn.Module) -> None:
+    """CP serves causal LMs and base models. Other heads (sequence classification, QA, ...) pool or score
+    positions that a sequence cut scatters over the ranks, which would be silently wrong."""
+    if model.base_model is not model and model.get_output_embeddings() is None:
+        raise ValueError(
+            f"`{type(model).__name__}` is neither a causal LM nor a base model: its head reads positions that "
+            "context parallelism spreads over the ranks. Use a *ForCausalLM or base model, or set `cp_size=1`."
+        )
 
 
 def _layout(seq_len: int, *, cp_size: int, rank: int, kind: str) -> SequenceLayout:
     return SequenceLayout(seq_len, cp_size, rank, kind)
 
 
-def _refuse_generate(*args, **kwargs):
-    raise ValueError(
-        "generate() is not supported while cp_size > 1: decoding one token at a time has no sequence to split. "
-        "Load the model without cpbench's DistributedConfig (or with cp_size=1) to generate."
-    )
-
-
-def _cp_lm_forward(forward, make_layout, group):
-    """Wraps a causal-LM forward: full labels in, whole-sequence loss and this rank's logits out."""
-
-    @functools.wraps(forward)
-    def cp_forward(input_ids=None, *args, labels=None, num_items_in_batch=None, **kwargs):
-        if kwargs.get("use_cache") or kwargs.get("past_key_values") is not None:
-            raise ValueError(
-                "use_cache=True / past_key_values are not supported while cp_size > 1: a KV cache would hold only "
-                "this rank's tokens. Call the model with use_cache=False (the default under cpbench)."
-            )
-        if kwargs.get("logits_to_keep", 0) not in (0, None):
-            raise ValueError("logits_to_keep is not supported while cp_size > 1; every rank returns its own slice.")
-        kwargs["use_cache"] = False
-        out = forward(input_ids, *args, **kwargs)
-        tokens = input_ids if input_ids is not None else kwargs.get("inputs_embeds")
-        layout = make_layout(tokens.shape[1])
-        logits = out.logits
-        if labels is not None:
-            out.loss = cp_causal_lm_loss(logits, labels, layout, group, num_items_in_batch)
-        valid = int(layout.valid_local().sum())
-        if valid < logits.shape[1]:  # this rank's tail is padding: return only its real tokens
-            out.logits = logits[:, :valid].clone()
-        return out
-
-    return cp_forward
-
-
 def parallelize(model: torch.nn.Module, config: DistributedConfig) -> torch.nn.Module:
     """Distributes a built model (e.g. from `from_config`, seeded identically on every rank) per `config`."""
     if not isinstance(config, DistributedConfig):
         raise TypeError(f"parallelize() needs a cpbench.DistributedConfig, got {type(config).__name__}.")
+    if getattr(model, "cp_group", None) is not None or getattr(model, "_is_fsdp_managed_module", False):
+        raise ValueError(
+            f"parallelize(): this `{type(model).__name__}` is already distributed (by from_pretrained's "
+            "distributed_config or an earlier parallelize). Pass the model built without a distributed_config."
+        )
     cls = type(model)
     config, device_map, mesh = cls.prepare_distribute_model(config)
     if mesh is None:

@@ -136,7 +136,8 @@ def ring_attention_with_lse(
     assert q_bhsd.shape[2] == k_bhsd.shape[2] == layout.local_len, (q_bhsd.shape, k_bhsd.shape, layout)
     if q_bhsd.shape[1] % k_bhsd.shape[1]:
         raise ValueError(
-            f"cp_ring: {q_bhsd.shape[1]} query heads are not a multiple of {k_bhsd.shape[1]} key/value heads."
+            f"cp_ring: {q_bhsd.shape[1]} query heads are not a multiple of {k_bhsd.shape[1]} key/value heads; "
+            "GQA needs num_attention_heads to be a multiple of num_key_value_heads (fix the model config)."
         )
     return _RingAttention.apply(q_bhsd, k_bhsd, v_bhsd, RingPlan(comm, layout, masks, kernel, scale))
 

@@ -170,6 +170,10 @@ def build_ring_masks(
                 f"cp_ring: a 4-D attention_mask must be bool (True = attend) or additive float, got "
                 f"{attention_mask.dtype}."
             )
+        if attention_mask.is_floating_point():
+            # Validated whole, here, where every rank holds the same mask: a per-tile refusal would raise on one
+            # rank mid-ring and leave the others blocked on their next transfer.
+            _as_allowed(attention_mask)
         return RingMasks(
             seq_len, padded_len, is_causal, torch.device(device), dense=attention_mask,
             uniform_rows=_eager_uniform_rows(attention_mask),

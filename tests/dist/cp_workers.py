@@ -157,3 +157,37 @@ def parallelize_worker(family: str, attn: str) -> dict:
     path = save_tiny(family, tempfile.mkdtemp(), seed=0)  # the same seeded weights, for the reference
     model = cpbench.parallelize(model, cpbench.DistributedConfig(cp_size=2))
     return _parity(model, make_batch("plain"), path, attn, 2)
+
+
+def heads_worker(path: str, attn: str) -> dict:
+    """A base model under CP (this rank's hidden states), return_dict=False, and parallelize() twice."""
+    from transformers import AutoModel
+
+    batch = make_batch("plain", seq_len=15)
+    base = AutoModel.from_pretrained(
+        path, attn_implementation=attn, dtype=torch.float32, distributed_config=cpbench.DistributedConfig(cp_size=2)
+    )
+    hidden = base(input_ids=batch["input_ids"]).last_hidden_state.detach()
+    layout = cpbench.SequenceLayout(15, 2, dist.get_rank(base.cp_group))
+    ref = AutoModel.from_pretrained(path, attn_implementation=attn, dtype=torch.float32)
+    ref_hidden = ref(input_ids=batch["input_ids"], use_cache=False).last_hidden_state.detach()
+    results = {
+        "hidden_shape": tuple(hidden.shape),
+        "hidden_err": (cpbench.gather_sequence(hidden, layout, base.cp_group) - ref_hidden).abs().max().item(),
+        "plan": dict(base.cp_plan),
+    }
+    try:
+        base(input_ids=batch["input_ids"], use_cache=True)
+        results["base_cache_refused"] = None
+    except ValueError as e:
+        results["base_cache_refused"] = str(e)
+    lm = _load(path, attn, cp_size=2)
+    as_tuple = lm(**batch, return_dict=False)
+    results["tuple_loss"] = as_tuple[0].item()
+    results["dict_loss"] = lm(**batch).loss.item()
+    try:
+        cpbench.parallelize(lm, cpbench.DistributedConfig(cp_size=2))
+        results["parallelize_twice"] = None
+    except ValueError as e:
+        results["parallelize_twice"] = str(e)
+    return results

@@ -86,3 +86,17 @@ def test_save_pretrained_round_trips(spawn, tmp_path):
 def test_parallelize_from_config(spawn):
     for rank_result in spawn(w.parallelize_worker, 2, "llama", "sdpa"):
         check(rank_result)
+
+
+def test_base_model_tuple_outputs_and_double_parallelize(spawn, tmp_path):
+    path = save_tiny("qwen3", tmp_path)
+    results = spawn(w.heads_worker, 2, path, "sdpa")
+    # A base model returns this rank's real tokens: 15 = 8 + 7.
+    assert [r["hidden_shape"][1] for r in results] == [8, 7]
+    for r in results:
+        # A base model's plan has no `model.` prefix, as transformers' base_model_tp_plan.
+        assert r["plan"] == {"layers.*": "cp_split_sequence", "layers.*.self_attn": "cp_ulysses"}
+        assert r["hidden_err"] <= LOGITS_ATOL, r
+        assert "cp_size > 1" in r["base_cache_refused"]
+        assert r["tuple_loss"] == r["dict_loss"]
+        assert "already distributed" in r["parallelize_twice"]

@@ -116,3 +116,20 @@ def test_the_inner_attention_sees_the_models_implementation():
     view = hf_compat.ModuleView(attn, config=hf_compat.model_config(attn))
     assert view.config._attn_implementation == "sdpa"
     assert view.num_key_value_groups == attn.num_key_value_groups and view.q_proj is attn.q_proj
+
+
+def test_heads_other_than_causal_lm_are_refused():
+    from transformers import AutoModelForSequenceClassification
+
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_config(tiny_config("qwen3", num_labels=3))
+    with pytest.raises(ValueError, match=r"`Qwen3ForSequenceClassification` is neither a causal LM nor a base model"):
+        resolve_for(model, cpbench.DistributedConfig(cp_size=2))
+
+
+def test_base_model_plan_has_no_prefix():
+    from transformers import AutoModel
+
+    model = AutoModel.from_config(tiny_config("qwen3"))
+    plan = resolve_for(model, cpbench.DistributedConfig(cp_size=2))
+    assert plan.split_modules == ("layers.0", "layers.1")

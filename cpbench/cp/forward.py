@@ -1,0 +1,65 @@
+"""The model-level forward under CP: what goes in whole and what comes out per rank.
+
+Wraps the top model's `forward`. Every CP model refuses a KV cache (it would hold only this rank's tokens) and
+runs with `use_cache=False`. A causal LM takes the full `labels` and returns the loss of the whole sequences and
+this rank's logits; a base model returns this rank's `last_hidden_state`. A rank whose tail is padding returns
+only its real tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from .layout import SequenceLayout
+from .loss import cp_causal_lm_loss
+
+
+def refuse_generate(*args, **kwargs):
+    raise ValueError(
+        "generate() is not supported while cp_size > 1: decoding one token at a time has no sequence to split. "
+        "Load the model without cpbench's DistributedConfig (or with cp_size=1) to generate."
+    )
+
+
+def _check_kwargs(kwargs: dict) -> None:
+    if kwargs.get("use_cache") or kwargs.get("past_key_values") is not None:
+        raise ValueError(
+            "use_cache=True / past_key_values are not supported while cp_size > 1: a KV cache would hold only "
+            "this rank's tokens. Call the model with use_cache=False (the default under cpbench)."
+        )
+    if kwargs.get("logits_to_keep", 0) not in (0, None):
+        raise ValueError(
+            f"logits_to_keep={kwargs['logits_to_keep']!r} is not supported while cp_size > 1: every rank returns "
+            "the logits of its own slice. Drop the argument (or pass 0) and slice the gathered logits instead."
+        )
+
+
+def _trim(x, layout: SequenceLayout):
+    valid = int(layout.valid_local().sum())
+    return x[:, :valid].clone() if valid < x.shape[1] else x
+
+
+def wrap_forward(forward, make_layout, group, *, causal_lm: bool):
+    """`forward` of a CP model: full sequences in, this rank's slice (and the whole-sequence loss) out."""
+
+    @functools.wraps(forward)
+    def cp_forward(input_ids=None, *args, labels=None, num_items_in_batch=None, **kwargs):
+        _check_kwargs(kwargs)
+        if labels is not None and not causal_lm:
+            raise ValueError("labels were passed to a CP base model; use a *ForCausalLM model to get the loss.")
+        return_dict = kwargs.pop("return_dict", None)
+        kwargs.update(use_cache=False, return_dict=True)
+        out = forward(input_ids, *args, **kwargs)
+        tokens = input_ids if input_ids is not None else kwargs.get("inputs_embeds")
+        layout = make_layout(tokens.shape[1])
+        if causal_lm:
+            fields = {"logits": _trim(out.logits, layout)}
+            if labels is not None:
+                fields["loss"] = cp_causal_lm_loss(out.logits, labels, layout, group, num_items_in_batch)
+        else:
+            fields = {"last_hidden_state": _trim(out.last_hidden_state, layout)}
+        # Rebuilt rather than assigned: a ModelOutput orders its tuple form by field, only from construction.
+        out = type(out)(**{**out, **fields})
+        return out.to_tuple() if return_dict is False else out
+
+    return cp_forward
