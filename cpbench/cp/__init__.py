@@ -6,9 +6,9 @@ from .config import DistributedConfig
 from .layout import SequenceLayout, gather_sequence
 from .loss import cp_causal_lm_loss
 from .plan import DEFAULT_BASE_MODEL_CP_PLAN, FAMILY_CP_PLANS, ResolvedPlan, resolve_plan
+from .ring import RING_IMPLEMENTATIONS, ring_attention
 from .styles import STYLES, AttentionStyle, SplitStyle, register_attention_style
 from .ulysses import check_ulysses, ulysses_attention
-from .ring import RING_IMPLEMENTATIONS, ring_attention
 
 register_attention_style("cp_ulysses", ulysses_attention, check=check_ulysses, replace=True)
 register_attention_style(

@@ -15,8 +15,8 @@ import torch.distributed as dist
 
 from . import hf_compat
 from .config import DistributedConfig
-from .layout import SequenceLayout
 from .forward import refuse_generate, wrap_forward
+from .layout import SequenceLayout
 from .mesh import CPDeviceMesh, build_mesh
 from .plan import ResolvedPlan, attention_style, default_cp_plan, merge_plan, refusal_reason, resolve_plan
 from .split import make_split_hook

@@ -26,7 +26,7 @@ import torch
 from .hf_compat import model_attention_implementation
 from .layout import SequenceLayout
 from .ring_comm import DKV_TAG, KV_TAG, P2PCounter, RingComm
-from .ring_kernels import RING_IMPLEMENTATIONS, safe_lse, acc_dtype, select_kernel
+from .ring_kernels import RING_IMPLEMENTATIONS, acc_dtype, safe_lse, select_kernel
 from .ring_masks import SKIP, RingMasks, build_ring_masks
 
 __all__ = ["RING_IMPLEMENTATIONS", "P2PCounter", "ring_attention", "ring_attention_with_lse", "ring_p2p_count"]
@@ -87,6 +87,7 @@ def _backward(dout, q, k, v, out, lse, plan: RingPlan):
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dk = torch.zeros(k.shape, dtype=acc, device=q.device)
     dv = torch.zeros(v.shape, dtype=acc, device=q.device)
+    dkv_pending = None  # the dK/dV accumulators in flight to this rank (from step 1 on)
     for step in range(cp):
         kv_pending = plan.comm.exchange(k, v, phase="backward", tag=KV_TAG) if step < cp - 1 else None
         if step > 0:

@@ -20,9 +20,8 @@ from cpbench.report.units import parse_bytes
 from . import rows, worker
 from .env import fingerprint
 from .records import LaunchRecords
-from .sweep import failures
-
 from .suites import resolve_suite
+from .sweep import failures
 
 
 def run_external(args) -> int:

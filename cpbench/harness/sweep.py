@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cpbench.report import store
+from cpbench.report.units import parse_bytes
 
 from . import rows
 from .env import fingerprint
@@ -25,8 +26,6 @@ from .launch import Launch, worker_command
 from .progress import SweepProgress
 from .records import LaunchRecords
 from .skips import SkipRules
-from cpbench.report.units import parse_bytes
-
 from .spec import Point
 from .suites import resolve_suite, suite_ref
 

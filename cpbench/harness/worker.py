@@ -25,14 +25,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from . import parity
-from .probes import StepTimer, memory_probe, reset_rss_peak, rss_peak_bytes
 from cpbench.report.units import parse_bytes
 
-from .spec import NO_STYLE, Point
+from . import parity
 from .presets import get_preset
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from .probes import StepTimer, memory_probe, reset_rss_peak, rss_peak_bytes
+from .spec import NO_STYLE, Point
 
 
 def rank_env() -> tuple[int, int, int]:
@@ -76,7 +74,7 @@ def build_model(point: Point, device) -> torch.nn.Module:
         torch.cuda.manual_seed(point.seed)
     with torch.device(device):  # initialised where it runs: no host copy of a large model
         return AutoModelForCausalLM.from_config(
-            config, dtype=DTYPES[point.dtype], attn_implementation=point.attn_implementation
+            config, dtype=parity.DTYPES[point.dtype], attn_implementation=point.attn_implementation
         )
 
 

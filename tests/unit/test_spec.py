@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from cpbench.harness.spec import NO_STYLE, load_suite, parse_bytes
+from cpbench.harness.spec import NO_STYLE, load_suite
 from cpbench.harness.suites import DEFAULT_SUITE_TOML, resolve_suite
+from cpbench.report.units import parse_bytes
 
 ROOT = Path(__file__).parents[2]
 BASE = """

@@ -1,0 +1,197 @@
+"""Suite validation: everything that can be checked before a process is launched.
+
+Each error names the field, the value and the fix. The allowed values live here, beside their checks.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING
+
+from cpbench.report.units import parse_bytes
+
+from .presets import check_overrides, get_preset
+
+if TYPE_CHECKING:
+    from .spec import Suite
+
+BACKENDS = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3")
+CUDA_ONLY_BACKENDS = ("flash_attention_2", "flash_attention_3")
+# cpbench's documented attention styles. A documented style that this install has not registered yet is
+# `skipped` (with why) rather than refused, so a suite can name a style before its implementation lands.
+DOCUMENTED_STYLES = ("cp_ulysses", "cp_ring", "cp_ring_zigzag")
+DTYPES = ("float32", "bfloat16", "float16")
+DEVICES = ("cpu", "cuda")
+BATCH_KINDS = ("plain", "packed", "padded")
+PARITY_MODES = ("auto", "full", "projected", "off")
+FAULTS = ("crash", "hang")  # injected by cpbench's own tests only (see `Suite.faults`)
+NO_STYLE = "none"
+
+
+def err(field_name: str, value, fix: str) -> ValueError:
+    return ValueError(f"suite field `{field_name}` = {value!r}: {fix}")
+
+
+def validate(suite: Suite, *, allow_faults: bool = False) -> None:
+    _check_types(suite)
+    if not re.fullmatch(r"[A-Za-z0-9._-]+", suite.name):
+        raise err("name", suite.name, "use letters, digits, '.', '_' or '-' (it names a results folder).")
+    preset = get_preset(suite.model)
+    check_overrides(preset, suite.model_overrides)
+    _check_choice("device", suite.device, DEVICES)
+    _check_choice("dtype", suite.dtype, DTYPES)
+    _check_choice("batch_kind", suite.batch_kind, BATCH_KINDS)
+    _check_choice("parity", suite.parity, PARITY_MODES)
+    for name in ("batch_size", "measured_steps", "warmup_steps", "fsdp_size", "dp_replicate_size", "seed"):
+        minimum = 0 if name in ("warmup_steps", "seed") else 1
+        if getattr(suite, name) < minimum:
+            raise err(name, getattr(suite, name), f"must be an integer >= {minimum}.")
+    if suite.timeout_s <= 0:
+        raise err("timeout_s", suite.timeout_s, "must be a positive number of seconds.")
+    config = preset.config(suite.model_overrides)
+    _check_lengths(suite, config)
+    _check_backends(suite)
+    _check_styles(suite, config)
+    _check_world(suite)
+    _check_faults(suite, allow_faults)
+    if suite.memory_budget is not None:
+        parse_bytes(suite.memory_budget, field_name="memory_budget")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # TOML `true` is not a count
+
+
+_SCALARS = {  # field -> (check, what to write)
+    "name": (lambda v: isinstance(v, str), 'a string, e.g. name = "my-suite"'),
+    "model": (lambda v: isinstance(v, str), 'a preset name string, e.g. model = "tiny-qwen3"'),
+    "description": (lambda v: isinstance(v, str), "a string"),
+    "model_overrides": (lambda v: isinstance(v, dict), "a table, e.g. model_overrides = {num_hidden_layers = 4}"),
+    "world_size": (lambda v: v is None or _is_int(v), "an integer (not a string or boolean), e.g. world_size = 8"),
+    "fsdp_size": (_is_int, "an integer, e.g. fsdp_size = 2"),
+    "dp_replicate_size": (_is_int, "an integer, e.g. dp_replicate_size = 1"),
+    "dtype": (lambda v: isinstance(v, str), 'a string, e.g. dtype = "bfloat16"'),
+    "device": (lambda v: isinstance(v, str), 'a string, e.g. device = "cuda"'),
+    "batch_size": (_is_int, "an integer (not a boolean), e.g. batch_size = 1"),
+    "batch_kind": (lambda v: isinstance(v, str), 'a string, e.g. batch_kind = "plain"'),
+    "warmup_steps": (_is_int, "an integer, e.g. warmup_steps = 1"),
+    "measured_steps": (_is_int, "an integer, e.g. measured_steps = 6"),
+    "parity": (lambda v: isinstance(v, str), 'a string, e.g. parity = "auto"'),
+    "timeout_s": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number of seconds"),
+    "seed": (_is_int, "an integer, e.g. seed = 0"),
+    "memory_budget": (lambda v: v is None or isinstance(v, str) or _is_int(v), 'a size, e.g. "80GiB"'),
+    "faults": (lambda v: isinstance(v, dict), "a table of point-id glob = fault"),
+}
+_LISTS = {"seq_lens": _is_int, "cp_sizes": _is_int, "attn_implementations": lambda v: isinstance(v, str),
+          "cp_styles": lambda v: isinstance(v, str)}
+
+
+def _check_types(suite: Suite) -> None:
+    """Every field's type, before any value is used (a wrong type would otherwise crash later, or launch)."""
+    for name, (ok, what) in _SCALARS.items():
+        if not ok(getattr(suite, name)):
+            raise err(name, getattr(suite, name), f"must be {what}.")
+    for name, ok in _LISTS.items():
+        values = getattr(suite, name)
+        if not isinstance(values, (list, tuple)) or not values or not all(ok(v) for v in values):
+            kind = "integers" if ok is _is_int else "strings"
+            raise err(name, values, f"must be a non-empty list of {kind}.")
+
+
+def _check_choice(name: str, value, choices) -> None:
+    if value not in choices:
+        raise err(name, value, f"use one of {list(choices)}.")
+
+
+def _check_lengths(suite: Suite, config) -> None:
+    for s in suite.seq_lens:
+        if s < 2:
+            raise err("seq_lens", list(suite.seq_lens), "every length must be an integer >= 2 (tokens).")
+        if s > config.max_position_embeddings:
+            raise err(
+                "seq_lens", s, f"exceeds the model's max_position_embeddings={config.max_position_embeddings}; "
+                "drop it or raise it with model_overrides = {max_position_embeddings = ...}.",
+            )
+
+
+def _check_backends(suite: Suite) -> None:
+    for b in suite.attn_implementations:
+        _check_choice("attn_implementations", b, BACKENDS)
+        if b in CUDA_ONLY_BACKENDS and suite.device != "cuda":
+            raise err("attn_implementations", b, "needs device = \"cuda\"; use eager or sdpa on CPU.")
+        if b in CUDA_ONLY_BACKENDS and suite.dtype == "float32":
+            raise err("attn_implementations", b, f"FlashAttention has no float32 kernels (dtype = "
+                       f"{suite.dtype!r}); set dtype = \"bfloat16\" or \"float16\", or use sdpa.")
+
+
+def _check_styles(suite: Suite, config) -> None:
+    from cpbench.cp import STYLES, AttentionStyle
+
+    registered = [n for n in STYLES.names() if isinstance(STYLES.get(n), AttentionStyle)]
+    for style in suite.cp_styles:
+        if style not in registered and style not in DOCUMENTED_STYLES:
+            known = sorted(set(registered) | set(DOCUMENTED_STYLES))
+            raise err("cp_styles", style, f"is not a CP attention style; use one of {known}.")
+    heads = config.num_attention_heads
+    for cp in suite.cp_sizes:
+        if cp < 1:
+            raise err("cp_sizes", cp, "every cp size must be an integer >= 1.")
+        if cp > 1 and "cp_ulysses" in suite.cp_styles and heads % cp:
+            raise err(
+                "cp_sizes", cp, f"cp_ulysses shards the {heads} query heads of {suite.model} over the cp group, "
+                f"and {cp} does not divide {heads}. Use cp sizes that divide {heads}, or drop cp_ulysses from "
+                "`cp_styles` (the ring styles serve any head count).",
+            )
+    if max(suite.cp_sizes) > 1:  # styles only run at cp > 1
+        _check_style_backends(suite, STYLES, registered)
+
+
+def _check_style_backends(suite: Suite, styles, registered: list[str]) -> None:
+    """Every (style, backend) pair of the grid must be one the style serves (its registered `implementations`)."""
+    for style in suite.cp_styles:
+        served = styles.get(style).implementations if style in registered else None
+        for b in suite.attn_implementations:
+            if served is not None and b not in served:
+                raise err(
+                    "attn_implementations", b, f"{style} serves only {list(served)}; drop {b!r} from "
+                    f"`attn_implementations`, drop {style!r} from `cp_styles`, or sweep them in separate suites.",
+                )
+
+
+def _check_world(suite: Suite) -> None:
+    if suite.world_size is None:
+        return
+    if suite.world_size < 1:
+        raise err("world_size", suite.world_size, "must be an integer >= 1 (the number of ranks).")
+    for cp in suite.cp_sizes:
+        group = cp * suite.dp_replicate_size
+        if suite.world_size < group or suite.world_size % group:
+            raise err(
+                "cp_sizes", cp, f"cp_size x dp_replicate_size = {group} does not divide "
+                f"world_size = {suite.world_size}. Use cp sizes that divide the world, or change world_size.",
+            )
+        if suite.fsdp_size != 1 and suite.fsdp_size != suite.world_size // group:
+            raise err(
+                "fsdp_size", suite.fsdp_size, f"conflicts with world_size = {suite.world_size}, which sets "
+                f"fsdp_size = world_size / (cp_size x dp_replicate_size) = {suite.world_size // group} at "
+                f"cp_size {cp}. Remove fsdp_size (or world_size).",
+            )
+
+
+def _check_faults(suite: Suite, allow_faults: bool) -> None:
+    if not suite.faults:
+        return
+    if not allow_faults:
+        raise err(
+            "faults", suite.faults, "fault injection is for cpbench's own tests; remove the table, or pass "
+            "--allow-faults to `cpbench sweep` if you mean it.",
+        )
+    for pattern, fault in suite.faults.items():
+        if isinstance(fault, dict):
+            unknown = sorted(set(fault) - {"fault", "timeout_s"})
+            timeout = fault.get("timeout_s", 1.0)
+            if unknown or not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
+                raise err(f"faults[{pattern!r}]", fault, 'write {fault = "hang", timeout_s = 10} (a positive '
+                           "number of seconds), or just the fault's name.")
+            fault = fault.get("fault")
+        _check_choice(f"faults[{pattern!r}]", fault, FAULTS)
