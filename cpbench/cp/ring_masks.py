@@ -172,8 +172,10 @@ def build_ring_masks(
             )
         if attention_mask.is_floating_point():
             # Validated whole, here, where every rank holds the same mask: a per-tile refusal would raise on one
-            # rank mid-ring and leave the others blocked on their next transfer.
-            _as_allowed(attention_mask)
+            # rank mid-ring and leave the others blocked on their next transfer. In row blocks, so the check's
+            # temporaries stay small next to the mask itself.
+            for rows in attention_mask.split(256, dim=-2):
+                _as_allowed(rows)
         return RingMasks(
             seq_len, padded_len, is_causal, torch.device(device), dense=attention_mask,
             uniform_rows=_eager_uniform_rows(attention_mask),
