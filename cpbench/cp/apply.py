@@ -85,7 +85,7 @@ def apply_context_parallel(
 ) -> torch.nn.Module:
     group = mesh.cp_group
     rank = dist.get_rank(group)
-    make_layout = functools.partial(_layout, cp_size=config.cp_size, rank=rank, kind=plan.layout)
+    make_layout = functools.partial(SequenceLayout, cp_size=config.cp_size, rank=rank, kind=plan.layout)
     for name in plan.split_modules:
         hook = make_split_hook(name == plan.first_split, make_layout)
         model.get_submodule(name).register_forward_pre_hook(hook, with_kwargs=True)
@@ -111,10 +111,6 @@ def check_model_head(model: torch.nn.Module) -> None:
             f"`{type(model).__name__}` is neither a causal LM nor a base model: its head reads positions that "
             "context parallelism spreads over the ranks. Use a *ForCausalLM or base model, or set `cp_size=1`."
         )
-
-
-def _layout(seq_len: int, *, cp_size: int, rank: int, kind: str) -> SequenceLayout:
-    return SequenceLayout(seq_len, cp_size, rank, kind)
 
 
 def parallelize(model: torch.nn.Module, config: DistributedConfig) -> torch.nn.Module:

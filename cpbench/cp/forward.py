@@ -35,7 +35,7 @@ def _check_kwargs(kwargs: dict) -> None:
 
 
 def _trim(x, layout: SequenceLayout):
-    valid = int(layout.valid_local().sum())
+    valid = layout.valid_len
     return x[:, :valid].clone() if valid < x.shape[1] else x
 
 

@@ -62,9 +62,6 @@ class SequenceLayout:
     def local_positions(self, device: torch.device | str = "cpu") -> torch.Tensor:
         return torch.tensor(self.positions, device=device, dtype=torch.long)
 
-    def with_rank(self, rank: int) -> "SequenceLayout":
-        return SequenceLayout(self.seq_len, self.cp_size, rank, self.kind)
-
     def pad(self, x: torch.Tensor, dim: int, value: float = 0.0) -> torch.Tensor:
         """Pads `x` along `dim` from `seq_len` to `padded_len`."""
         extra = self.padded_len - x.shape[dim]
@@ -81,9 +78,11 @@ class SequenceLayout:
             return x.narrow(dim, self.rank * self.local_len, self.local_len)
         return torch.cat([x.narrow(dim, c * self.chunk_len, self.chunk_len) for c in self.chunks_of(self.rank)], dim)
 
-    def valid_local(self, device: torch.device | str = "cpu") -> torch.Tensor:
-        """Bool [local_len]: which of this rank's positions are real tokens (not padding)."""
-        return self.local_positions(device) < self.seq_len
+    @property
+    def valid_len(self) -> int:
+        """How many of this rank's positions are real tokens. Padding sits at the global end and every rank
+        holds its chunks in increasing order, so the real ones are always a prefix of the rank's slice."""
+        return sum(p < self.seq_len for p in self.positions)
 
     def rank_order(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """The global positions of rank 0's tokens, then rank 1's, ...: what concatenating the slices gives."""
@@ -112,7 +111,7 @@ def gather_sequence(
     ones when the rank's tail is padding (the logits of the last contiguous rank). Not differentiable.
     """
     local = local.contiguous()
-    valid = int(layout.valid_local().sum())
+    valid = layout.valid_len
     if local.shape[dim] == valid and valid != layout.local_len:
         local = _pad_to(local, dim, layout.local_len)
     elif local.shape[dim] != layout.local_len:

@@ -11,13 +11,15 @@ def test_contiguous_padding_and_slices():
     layouts = [SequenceLayout(10, 4, r) for r in range(4)]
     assert layouts[0].padded_len == 12 and layouts[0].local_len == 3
     assert [l.positions for l in layouts] == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]]
-    assert layouts[3].valid_local().tolist() == [True, False, False]
+    assert [l.valid_len for l in layouts] == [3, 3, 3, 1]
 
 
 def test_zigzag_gives_rank_r_chunks_r_and_2cp_minus_1_minus_r():
     layouts = [SequenceLayout(16, 2, r, "zigzag") for r in range(2)]
     assert layouts[0].positions == [0, 1, 2, 3, 12, 13, 14, 15]
     assert layouts[1].positions == [4, 5, 6, 7, 8, 9, 10, 11]
+    # Padding sits at the global end: in zigzag it is the tail of rank 0's second chunk.
+    assert [SequenceLayout(13, 2, r, "zigzag").valid_len for r in range(2)] == [5, 8]
 
 
 @pytest.mark.parametrize("kind", ["contiguous", "zigzag"])
