@@ -1,17 +1,19 @@
-"""The README's training loop, as a user runs it: `torchrun --nproc-per-node 2 torchrun_train.py MODEL_DIR`.
+"""The README's training loop, as a user runs it: `torchrun --nproc-per-node 2 torchrun_train.py MODEL_DIR OUT_DIR`.
 
-Prints one JSON line per rank: the loss of each of three AdamW steps and this rank's logits shape.
+Each rank writes OUT_DIR/rank<N>.json: the loss of each of three AdamW steps and this rank's logits shape. A file
+per rank, because the ranks share torchrun's stdout and their lines can interleave there.
 """
 
 import json
 import sys
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM
 
 import cpbench
 
-path = sys.argv[1]
+path, out_dir = sys.argv[1], Path(sys.argv[2])
 model = AutoModelForCausalLM.from_pretrained(
     path, attn_implementation="sdpa", dtype=torch.float32,
     distributed_config=cpbench.DistributedConfig(cp_size=2),
@@ -28,5 +30,6 @@ for _ in range(3):
     optimizer.zero_grad()
     losses.append(out.loss.item())
 rank = torch.distributed.get_rank()
-print(json.dumps({"rank": rank, "losses": losses, "logits_shape": list(out.logits.shape)}), flush=True)
+record = {"rank": rank, "losses": losses, "logits_shape": list(out.logits.shape)}
+(out_dir / f"rank{rank}.json").write_text(json.dumps(record))
 torch.distributed.destroy_process_group()
