@@ -3,9 +3,10 @@
 flash-attn computes a FULL tile (no mask) or a CAUSAL tile (the diagonal, top-left = bottom-right aligned since
 the tile is square) and returns the LSE; its backward takes the final output and LSE, as the ring needs. Tiles
 with an explicit mask (padding, packed documents, a partial sliding window) have no flash-attn form without
-unpadding, so they go to the exact `TorchKernel`. Uses flash-attn's private `_flash_attn_forward` /
-`_flash_attn_backward` (flash-attn >= 2.6 signatures); the import is guarded, and CPU CI cannot exercise this
-path (tests skip it when flash-attn is absent).
+unpadding, so they go to the exact `TorchKernel`, as do head dims above flash-attn's 256. Uses flash-attn's
+private `_flash_attn_forward` / `_flash_attn_backward` (the flash-attn >= 2.7 signatures, with separate
+window_size_left/right); the import is guarded. CPU CI runs this glue against a strict emulation of those two
+functions (tests/unit/test_ring_flash.py); no CI job runs the real kernels yet.
 """
 
 from __future__ import annotations
@@ -13,11 +14,19 @@ from __future__ import annotations
 import inspect
 
 import torch
+import torch.nn.functional as F
 
 from .ring_kernels import TorchKernel, acc_dtype
 from .ring_masks import CAUSAL, DENSE, TileMask
 
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
+FLASH_MAX_HEAD_DIM = 256
+
+
+def _parameters(fn) -> set[str]:
+    # flash-attn >= 2.7 registers its private functions as torch custom ops: a CustomOpDef's own signature is
+    # (*args, **kwargs), and the function it wraps (`_init_fn`) keeps the real one.
+    return set(inspect.signature(getattr(fn, "_init_fn", fn)).parameters)
 
 
 def _flash_ops():
@@ -25,9 +34,9 @@ def _flash_ops():
         from flash_attn.flash_attn_interface import _flash_attn_backward, _flash_attn_forward
     except ImportError:
         return None
-    if "window_size_left" not in inspect.signature(_flash_attn_forward).parameters:
+    if "window_size_left" not in _parameters(_flash_attn_forward):
         raise ValueError(
-            "cp_ring with flash_attention_2 needs flash-attn >= 2.6 (separate window_size_left/right arguments); "
+            "cp_ring with flash_attention_2 needs flash-attn >= 2.7 (separate window_size_left/right arguments); "
             "upgrade flash-attn or load the model with attn_implementation='sdpa'."
         )
     return _flash_attn_forward, _flash_attn_backward
@@ -41,30 +50,47 @@ def flash_kernel_or_none(query: torch.Tensor, softcap: float | None):
     return None if ops is None else FlashAttnKernel(*ops, softcap=softcap)
 
 
+def _bshd(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[B, H, S, D] -> flash-attn's [B, S, H, D] in the query's dtype, the head dim zero-padded to a multiple of 8:
+    its kernels take no other, and flash-attn's own autograd functions pad the same way (zeros change no score)."""
+    x = x.transpose(1, 2).to(dtype)
+    pad = -x.shape[-1] % 8
+    return F.pad(x, (0, pad)) if pad else x.contiguous()
+
+
 class FlashAttnKernel:
     def __init__(self, fwd, bwd, softcap: float | None = None):
         self._fwd, self._bwd = fwd, bwd
         self.softcap = softcap
         self._fallback = TorchKernel(softcap)
 
+    @staticmethod
+    def _serves(q: torch.Tensor, tile: TileMask) -> bool:
+        return tile.kind != DENSE and q.shape[-1] <= FLASH_MAX_HEAD_DIM
+
+    def _flags(self, tile: TileMask, scale: float) -> tuple:
+        # softmax_scale, causal, window_size_left/right, softcap: the custom op's schema wants plain floats.
+        return float(scale), tile.kind == CAUSAL, -1, -1, float(self.softcap or 0.0)
+
     def forward(self, q, k, v, tile: TileMask, scale: float):
-        if tile.kind == DENSE:
+        if not self._serves(q, tile):
             return self._fallback.forward(q, k, v, tile, scale)
-        q_, k_, v_ = (x.transpose(1, 2).contiguous() for x in (q, k, v))  # flash-attn wants [B, S, H, D]
-        out, lse, _, _ = self._fwd(
-            q_, k_, v_, 0.0, scale, tile.kind == CAUSAL, -1, -1, self.softcap or 0.0, None, False
-        )
-        return out.transpose(1, 2).to(acc_dtype(q.dtype)), lse
+        q_, k_, v_ = (_bshd(x, q.dtype) for x in (q, k, v))
+        out, lse, _, _ = self._fwd(q_, k_, v_, 0.0, *self._flags(tile, scale), None, False)
+        acc = acc_dtype(q.dtype)
+        return out[..., : q.shape[-1]].transpose(1, 2).to(acc), lse.to(acc)  # flash-attn's LSE is always fp32
 
     def backward(self, dout, q, k, v, out, lse, tile: TileMask, scale: float, dq_acc, dk_acc, dv_acc) -> None:
-        if tile.kind == DENSE:
+        if not self._serves(q, tile):
             return self._fallback.backward(dout, q, k, v, out, lse, tile, scale, dq_acc, dk_acc, dv_acc)
-        q_, k_, v_, o_, do_ = (x.transpose(1, 2).contiguous() for x in (q, k, v, out, dout))
-        dq, dk, dv = torch.empty_like(q_), torch.empty_like(k_), torch.empty_like(v_)
+        # flash-attn's backward wants out and dout in the query's dtype and the LSE as fp32 [B, H, S], contiguous.
+        q_, k_, v_, o_, do_ = (_bshd(x, q.dtype) for x in (q, k, v, out, dout))
+        dq, dk, dv = torch.empty_like(q_), torch.empty_like(k_), torch.empty_like(v_)  # dk, dv: kv heads (GQA)
         self._bwd(
-            do_, q_, k_, v_, o_, lse.float().contiguous(), dq, dk, dv, 0.0, scale, tile.kind == CAUSAL, -1, -1,
-            self.softcap or 0.0, None, False, None,
+            do_, q_, k_, v_, o_, lse.float().contiguous(), dq, dk, dv, 0.0, *self._flags(tile, scale), None, False,
+            None,
         )
-        dq_acc += dq.transpose(1, 2)
-        dk_acc += dk.transpose(1, 2)
-        dv_acc += dv.transpose(1, 2)
+        d = q.shape[-1]
+        dq_acc += dq[..., :d].transpose(1, 2)
+        dk_acc += dk[..., :d].transpose(1, 2)
+        dv_acc += dv[..., :d].transpose(1, 2)
