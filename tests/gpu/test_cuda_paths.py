@@ -52,3 +52,32 @@ def test_ring_block_kernel_on_cuda_matches_plain_attention():
     # fp32 on both sides; TF32 matmuls (if enabled) round to ~1e-3 relative, hence the tolerance.
     torch.testing.assert_close(out.float(), ref, rtol=2e-3, atol=2e-3)
     assert lse.shape == (1, 4, 128)
+
+
+@pytest.mark.parametrize("kind", ["full", "causal"])
+def test_ring_flash_attn_kernel_matches_the_matmul_kernel(kind):
+    """The real flash-attn kernels behind cp_ring (CPU CI checks the glue against an emulation only)."""
+    from cpbench.cp.ring_flash import flash_kernel_or_none
+    from cpbench.cp.ring_kernels import TorchKernel
+    from cpbench.cp.ring_masks import CAUSAL, FULL, TileMask
+
+    torch.manual_seed(0)
+    q = torch.randn(1, 8, 256, 64, device="cuda", dtype=torch.bfloat16, requires_grad=False)
+    k, v = (torch.randn(1, 2, 256, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))  # GQA 4:1
+    kernel = flash_kernel_or_none(q, None)
+    if kernel is None:
+        pytest.skip("flash-attn is not installed")
+    tile, scale = TileMask(CAUSAL if kind == "causal" else FULL), 64**-0.5
+    out, lse = kernel.forward(q, k, v, tile, scale)
+    ref_out, ref_lse = TorchKernel().forward(q, k, v, tile, scale)
+    # bf16 inputs, fp32 accumulation on both sides: the kernels differ in summation order only, well inside
+    # bf16's eps (2^-8 ~ 3.9e-3) on O(1) values.
+    torch.testing.assert_close(out.float(), ref_out.float(), rtol=4e-3, atol=4e-3)
+    torch.testing.assert_close(lse.float(), ref_lse.float(), rtol=4e-3, atol=4e-3)
+    dout = torch.randn_like(q)
+    grads = [[torch.zeros_like(x, dtype=torch.float32) for x in (q, k, v)] for _ in range(2)]
+    for kern, (o, o_lse), acc in ((kernel, (out, lse), grads[0]), (TorchKernel(), (ref_out, ref_lse), grads[1])):
+        kern.backward(dout, q, k, v, o.to(q.dtype), o_lse, tile, scale, *acc)
+    for got, ref in zip(*grads):
+        # Gradients sum 256 bf16 products per entry: allow a few bf16 eps relative to the largest value.
+        torch.testing.assert_close(got, ref, rtol=0, atol=8 * 3.9e-3 * ref.abs().max().item())
