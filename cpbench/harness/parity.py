@@ -85,17 +85,19 @@ def select_positions(logits_bsv: torch.Tensor, valid_bs, mode: str, seed: int):
 
 
 def summarize_outputs(loss: torch.Tensor, logits_bsv: torch.Tensor, valid_bs=None) -> dict:
-    """The loss and the (already selected) logits; `summarize_grad` adds the gradients one by one."""
+    """The loss and the (already selected) logits; `summarize_grad` adds the gradients one by one. A summary owns
+    host copies of what it keeps: `.cpu()` of a CPU tensor is the tensor itself, and a summary pinning the step's
+    own logits or gradients would keep them counted in the memory measured after the capture."""
     logits = logits_bsv.detach().float()
     if valid_bs is not None:  # padding positions' logits are not part of the comparison
         logits = logits.masked_fill(~valid_bs.bool().to(logits.device).unsqueeze(-1), 0.0)
-    return {"loss": float(loss.detach().float()), "logits": logits.cpu(), "grads": {}}
+    return {"loss": float(loss.detach().float()), "logits": logits.to("cpu", copy=True), "grads": {}}
 
 
 def summarize_grad(name: str, g: torch.Tensor, mode: str, seed: int):
     flat = g.detach().float().reshape(-1)
     if mode == "full":
-        return flat.cpu()
+        return flat.to("cpu", copy=True)  # a copy: see summarize_outputs
     seed_p = zlib.crc32(name.encode()) ^ seed
     return float(flat.norm()), _projections(flat, seed_p)
 

@@ -125,3 +125,14 @@ def test_a_failing_reference_keeps_the_measurements(monkeypatch, tmp_path, exc, 
     record = _run(tmp_path)
     assert record["status"] == "ok" and record["peak_bytes"] > 0 and record["step_times_s"]
     assert record["parity"]["parity_status"] == status and str(exc) in record["parity"]["parity_detail"]
+
+
+def test_the_parity_capture_does_not_change_the_memory_measured(tmp_path):
+    """The capture runs between measured segments; what it keeps must not stay counted in later ones (at cp=1
+    the logits and fp32 gradients it summarizes are the step's own tensors, so a reference would pin them)."""
+    point = _point(seq_len=128, warmup_steps=1)
+    keys = ("peak_bytes", "activations_bytes", "grads_bytes", "optimizer_bytes")
+    measured = {mode: _run(tmp_path, replace(point, parity_mode=mode)) for mode in ("full", "projected", "off")}
+    off = {k: measured["off"][k] for k in keys}
+    assert {k: measured["full"][k] for k in keys} == off
+    assert {k: measured["projected"][k] for k in keys} == off
