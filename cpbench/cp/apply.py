@@ -19,7 +19,7 @@ from .forward import refuse_generate, wrap_forward
 from .layout import SequenceLayout
 from .mesh import CPDeviceMesh, build_mesh
 from .plan import ResolvedPlan, attention_style, default_cp_plan, merge_plan, refusal_reason, resolve_plan
-from .split import make_split_hook
+from .split import RotaryCuts, make_split_hook
 
 
 @dataclass(frozen=True)
@@ -86,8 +86,9 @@ def apply_context_parallel(
     group = mesh.cp_group
     rank = dist.get_rank(group)
     make_layout = functools.partial(SequenceLayout, cp_size=config.cp_size, rank=rank, kind=plan.layout)
+    rotary_cuts = RotaryCuts()
     for name in plan.split_modules:
-        hook = make_split_hook(name == plan.first_split, make_layout)
+        hook = make_split_hook(name == plan.first_split, make_layout, rotary_cuts)
         model.get_submodule(name).register_forward_pre_hook(hook, with_kwargs=True)
     for name, style_name in plan.attention_modules.items():
         hf_compat.bind_attention(model.get_submodule(name), AttentionBinding(attention_style(style_name), group))

@@ -2,15 +2,18 @@
 
 Every rank of a cp group runs the embedding on the same full batch. The first split layer cuts
 `hidden_states` to this rank's tokens (padding the sequence to a multiple of the chunk count first); every split
-layer cuts its rotary `position_embeddings` the same way and hands the `SequenceLayout` on to the attention
-style. The model-built mask and `position_ids` stay whole.
+layer gets its rotary `position_embeddings` cut the same way (one copy per forward, shared by the layers: see
+`RotaryCuts`) and hands the `SequenceLayout` on to the attention style. The model-built mask and `position_ids`
+stay whole.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .hf_compat import HIDDEN_STATES, LAYOUT_KWARG, POSITION_EMBEDDINGS, POSITION_IDS
 from .layout import SequenceLayout
@@ -32,8 +35,30 @@ def _hidden(args: tuple, kwargs: dict) -> torch.Tensor:
     return args[0] if args else kwargs[HIDDEN_STATES]
 
 
-def make_split_hook(cuts_input: bool, make_layout: Callable[[int], SequenceLayout]):
-    """A forward pre-hook (with kwargs) for one decoder layer."""
+class RotaryCuts:
+    """This rank's slice of the rotary tables, cut once per forward and shared by every split layer of a model.
+
+    The model computes cos/sin once and hands the same tensors to every layer, and each layer's `q * cos` saves
+    its cos for backward. A per-layer cut would cost memory there: a contiguous cut is a view that pins the whole
+    tables, a zigzag cut is a new copy per layer. One copy per forward costs this rank's positions once. The
+    cache holds the full tables weakly, so nothing outlives the forward that made them."""
+
+    def __init__(self):
+        self._cuts = WeakIdKeyDictionary()
+
+    def cut(self, rotary: tuple[torch.Tensor, ...], layout: SequenceLayout) -> tuple[torch.Tensor, ...]:
+        hit = self._cuts.get(rotary[0])
+        if hit is not None:
+            hit_layout, refs, cut = hit
+            if hit_layout == layout and len(refs) == len(rotary) and all(r() is t for r, t in zip(refs, rotary)):
+                return cut
+        cut = tuple(layout.cut(t, dim=-2).clone(memory_format=torch.contiguous_format) for t in rotary)
+        self._cuts[rotary[0]] = (layout, tuple(weakref.ref(t) for t in rotary), cut)
+        return cut
+
+
+def make_split_hook(cuts_input: bool, make_layout: Callable[[int], SequenceLayout], rotary_cuts: RotaryCuts):
+    """A forward pre-hook (with kwargs) for one decoder layer; `rotary_cuts` is shared by a model's layers."""
 
     def hook(module, args, kwargs):
         layout = make_layout(full_length(args, kwargs, cuts_input))
@@ -46,7 +71,7 @@ def make_split_hook(cuts_input: bool, make_layout: Callable[[int], SequenceLayou
                 kwargs[HIDDEN_STATES] = hidden
         rotary = kwargs.get(POSITION_EMBEDDINGS)
         if rotary is not None:
-            kwargs[POSITION_EMBEDDINGS] = tuple(layout.cut(t, dim=-2) for t in rotary)
+            kwargs[POSITION_EMBEDDINGS] = rotary_cuts.cut(rotary, layout)
         kwargs[LAYOUT_KWARG] = layout
         return args, kwargs
 
