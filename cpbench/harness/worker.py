@@ -120,11 +120,11 @@ def run_point(point: Point, *, rank: int, device, budget: int | None, cache_dir:
     del out
     if capture_error is not None and device.type == "cuda":
         torch.cuda.empty_cache()  # what the failed capture held
-    with no_gc(), probe.segment():
+    with no_gc(), probe.segment():  # step 0's optimizer step, which creates the optimizer state
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        for _ in range(point.warmup_steps):
-            probe.new_step()
+    for _ in range(point.warmup_steps):  # identical steps: the smallest of their peaks counts (see probes.py)
+        with no_gc(), probe.segment(repeat="step"):
             _train_step(model, optimizer, batch)
     timer = StepTimer(point.device)
     for _ in range(point.measured_steps):
@@ -156,7 +156,10 @@ def forward(model, batch: dict):
 
 
 def _train_step(model, optimizer, batch) -> None:
-    forward(model, batch).loss.backward()
+    """One step as a training loop writes it: the outputs (logits included) live through backward and the
+    optimizer step, as `out = model(**batch); out.loss.backward(); optimizer.step()` keeps them."""
+    out = forward(model, batch)
+    out.loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 

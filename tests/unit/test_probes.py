@@ -67,3 +67,34 @@ def test_a_failing_driver_query_warns_instead_of_hiding(monkeypatch):
     with pytest.warns(UserWarning, match="Driver Not Loaded"):
         assert env._driver_version() is None
 
+
+
+def test_one_off_segments_count_their_max_and_repeated_ones_their_min():
+    peaks = probes.SegmentPeaks()
+    assert peaks.top() is None
+    peaks.add(100, "parity step")
+    peaks.add(80, "first optimizer step")
+    assert peaks.top() == "parity step"
+    for total, what in ((300, "step 1, a late free"), (250, "step 2"), (260, "step 3")):
+        peaks.add(total, what, repeat="step")
+    assert peaks.top() == "step 2"  # the repeats' inflation is dropped, the one-offs' max is still compared
+    peaks.add(400, "a bigger one-off")
+    assert peaks.top() == "a bigger one-off"
+
+
+def test_a_cpu_probe_counts_the_smallest_of_identical_steps():
+    import torch
+
+    model = torch.nn.Linear(8, 8)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    probe = probes.CpuMemoryProbe(model, optimizer, budget=None)
+    held = []
+    for extra in (4096, 0, 1024):  # three "identical" steps; two of them keep an extra buffer alive a while
+        with probe.segment(repeat="step"):
+            model(torch.ones(4, 8)).sum().backward()
+            held.append(torch.empty(extra, dtype=torch.uint8))
+            held.pop()
+    quiet = probes.CpuMemoryProbe(model, optimizer, budget=None)
+    with quiet.segment(repeat="step"):
+        model(torch.ones(4, 8)).sum().backward()
+    assert probe.result()["peak_bytes"] == quiet.result()["peak_bytes"] > 0
