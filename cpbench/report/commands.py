@@ -87,7 +87,7 @@ def run_compare(args: argparse.Namespace) -> int:
 
 
 def run_gate(args: argparse.Namespace) -> int:
-    from .gate import GateRefusal, check_comparable, gate, render
+    from .gate import GateRefusal, check_comparable, gate, render, rules_across_hardware
     from .gate_rules import load_rules
     from .load import load_run, parquet_path, run_label
 
@@ -102,8 +102,12 @@ def run_gate(args: argparse.Namespace) -> int:
                          f"`python -m cpbench gate --baseline {baseline_path} RUN --update-baseline`")
         baseline = load_run(baseline_path, allow_schema_mismatch=allow_schema, what="baseline")
         rules = load_rules(args.rules or baseline_path.with_name("gate-rules.toml"))
-        check_comparable(baseline, run, allow_hardware_mismatch=args.allow_hardware_mismatch,
-                         allow_schema_mismatch=allow_schema)
+        same_hardware = check_comparable(baseline, run, allow_hardware_mismatch=args.allow_hardware_mismatch,
+                                         allow_schema_mismatch=allow_schema)
+        if not same_hardware:
+            print("note: baseline and run ran on different hardware (--allow-hardware-mismatch): status, parity "
+                  "and memory are gated; time is listed as warnings only")
+            rules = rules_across_hardware(rules)
         result = gate(baseline, run, rules)
     except FileNotFoundError as e:
         return _fail(str(e))

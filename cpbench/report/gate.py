@@ -2,14 +2,15 @@
 
 Fails on any parity failure, a point that was ok and is not any more, a crash that was not there before, a
 metric worse than its rule allows, and a baseline point the run lacks. Refuses (GateRefusal) to compare runs
-of different hardware or schema versions unless told to. Large improvements are listed so the baseline can
-be refreshed on purpose.
+of different hardware or schema versions unless told to; told to compare other hardware, it gates what the
+hardware does not set (status, parity, tracked memory) and lists what it does (time) as warnings. Large
+improvements are listed so the baseline can be refreshed on purpose.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import pandas as pd
@@ -49,7 +50,8 @@ class GateResult:
 
 
 def check_comparable(baseline: pd.DataFrame, run: pd.DataFrame, *, allow_hardware_mismatch: bool = False,
-                     allow_schema_mismatch: bool = False) -> None:
+                     allow_schema_mismatch: bool = False) -> bool:
+    """Raises GateRefusal unless the runs can be compared; returns whether they ran on the same hardware."""
     base_v, run_v = schema_versions(baseline), schema_versions(run)
     if base_v != run_v and not allow_schema_mismatch:
         raise GateRefusal(f"schema_version: baseline {base_v}, run {run_v}; refresh the baseline with "
@@ -58,6 +60,17 @@ def check_comparable(baseline: pd.DataFrame, run: pd.DataFrame, *, allow_hardwar
     if base_hw != run_hw and not allow_hardware_mismatch:
         raise GateRefusal(f"hardware_id: baseline {base_hw}, run {run_hw}; memory and time are only comparable on "
                           f"the same hardware — gate against a baseline recorded there, or pass --allow-hardware-mismatch")
+    return base_hw == run_hw
+
+
+def hardware_bound(metric: str) -> bool:
+    """Metrics the hardware sets: times and rates (tracked memory, parity and status are the software's)."""
+    return metric.endswith("_s") or metric == "mfu"
+
+
+def rules_across_hardware(rules: list[Rule]) -> list[Rule]:
+    """The rules for runs on different hardware: a hardware-bound metric is listed as a warning, never failed."""
+    return [replace(r, action="warn") if hardware_bound(r.metric) else r for r in rules]
 
 
 def _values(frame: pd.DataFrame, column: str) -> list[str]:

@@ -72,6 +72,7 @@ def test_gate_refuses_other_hardware_with_exit_2_unless_allowed(runs, capsys):
     assert main(args) == 2
     assert "gate refused: hardware_id" in capsys.readouterr().err
     assert main(args + ["--allow-hardware-mismatch"]) == 0
+    assert "different hardware" in capsys.readouterr().out
 
 
 def test_update_baseline_creates_then_replaces_it(runs, capsys):

@@ -5,7 +5,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from cpbench.report.gate import GateRefusal, check_comparable, gate, render
+from cpbench.report.gate import GateRefusal, check_comparable, gate, render, rules_across_hardware
 from cpbench.report.gate_rules import Rule, load_rules
 from tests.report_fixtures import make_run, row_of, slowed
 
@@ -117,7 +117,8 @@ def test_different_hardware_or_schema_is_refused_unless_allowed(baseline):
     run = baseline.assign(hardware_id="NVIDIA H100 80GB HBM3 x 8")
     with pytest.raises(GateRefusal, match="hardware_id: baseline .*--allow-hardware-mismatch"):
         check_comparable(baseline, run)
-    check_comparable(baseline, run, allow_hardware_mismatch=True)
+    assert check_comparable(baseline, run, allow_hardware_mismatch=True) is False
+    assert check_comparable(baseline, baseline) is True
     with pytest.raises(GateRefusal, match="schema_version"):
         check_comparable(baseline, baseline.assign(schema_version=2))
 
@@ -226,3 +227,14 @@ def test_six_against_six_steps_can_reach_the_committed_alpha():
     separated = mannwhitneyu([t * 3 for t in BASE_STEPS], BASE_STEPS, alternative="greater").pvalue
     assert separated == pytest.approx(1 / 924)
     assert 1.8 < 1 + rule.threshold < 3.0  # above the load noise seen on CI, below a ×3 slow-down
+
+
+def test_across_hardware_time_only_warns_while_memory_still_fails(baseline):
+    rules = rules_across_hardware(TIGHT)
+    assert [r.action for r in rules if r.metric == "step_times_s"] == ["warn"]
+    assert all(r.action == "fail" for r in rules if r.metric in ("peak_bytes", "grad_max_rel_err"))
+    slow = gate(baseline, slowed(make_run(seed=1), 3.0), rules)
+    assert slow.exit_code == 0 and {f.what for f in slow.of("warn")} == {"step_times_s"}
+    fat = make_run(seed=1)
+    fat.loc[row_of(fat, RING_512), "peak_bytes"] *= 1.5
+    assert failures(gate(baseline, fat, rules)) == [(RING_512, "peak_bytes")]
