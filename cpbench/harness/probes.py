@@ -88,7 +88,7 @@ class CpuMemoryProbe:
         self.tracker.reset_mod_stats()  # MemTracker keeps per-module stats of one iteration only
         with self.tracker:
             yield
-        snap = max(self.tracker.get_tracker_snapshot("peak").values(), key=lambda s: s["Total"])
+        snap = max(self.tracker.get_tracker_snapshot("peak").values(), key=lambda s: s["Total"], default={"Total": 0})
         self.peaks.add(snap["Total"], dict(snap), repeat)
 
     def result(self) -> dict:
