@@ -57,23 +57,35 @@ def _mem_tracker_class():
 
 class SegmentPeaks:
     """The peak over segments: the max of the one-off segments' peaks and, per kind of repeated segment, the
-    smallest of its repeats' peaks (see the module docstring for why the smallest)."""
+    smallest of its repeats' peaks (see the module docstring for why the smallest) — unless the repeats grew
+    every time (at least 3, each above the one before): that is memory kept step after step, not noise, so the
+    last one counts and `notes` says by how much it grew."""
 
     def __init__(self):
         self.once: tuple[int, object] | None = None
-        self.repeats: dict[str, tuple[int, object]] = {}
+        self.repeats: dict[str, list[tuple[int, object]]] = {}
 
     def add(self, total: int, detail, repeat: str | None = None) -> None:
-        if repeat is None:
-            if self.once is None or total > self.once[0]:
-                self.once = (total, detail)
-        elif repeat not in self.repeats or total < self.repeats[repeat][0]:
-            self.repeats[repeat] = (total, detail)
+        if repeat is not None:
+            self.repeats.setdefault(repeat, []).append((total, detail))
+        elif self.once is None or total > self.once[0]:
+            self.once = (total, detail)
+
+    @staticmethod
+    def _grew(peaks: list[tuple[int, object]]) -> bool:
+        return len(peaks) >= 3 and all(b[0] > a[0] for a, b in zip(peaks, peaks[1:]))
+
+    def _counted(self, peaks: list[tuple[int, object]]) -> tuple[int, object]:
+        return peaks[-1] if self._grew(peaks) else min(peaks, key=lambda c: c[0])
 
     def top(self):
         """The detail of the largest counted peak (None before any segment)."""
-        counted = [c for c in (self.once, *self.repeats.values()) if c is not None]
+        counted = [c for c in (self.once, *map(self._counted, self.repeats.values())) if c is not None]
         return max(counted, key=lambda c: c[0])[1] if counted else None
+
+    def notes(self) -> list[str]:
+        return [f"memory grew every {kind} segment ({len(peaks)} of them, +{peaks[-1][0] - peaks[0][0]} B in all): "
+                f"the last one's peak counts" for kind, peaks in self.repeats.items() if self._grew(peaks)]
 
 
 class CpuMemoryProbe:
@@ -88,8 +100,10 @@ class CpuMemoryProbe:
         self.tracker.reset_mod_stats()  # MemTracker keeps per-module stats of one iteration only
         with self.tracker:
             yield
-        snap = max(self.tracker.get_tracker_snapshot("peak").values(), key=lambda s: s["Total"], default={"Total": 0})
-        self.peaks.add(snap["Total"], dict(snap), repeat)
+        snaps = list(self.tracker.get_tracker_snapshot("peak").values())
+        if snaps:  # none only if nothing was ever tracked; a 0 would win the repeats' minimum
+            snap = max(snaps, key=lambda s: s["Total"])
+            self.peaks.add(snap["Total"], dict(snap), repeat)
 
     def result(self) -> dict:
         p = self.peaks.top() or {"Total": 0}
@@ -100,6 +114,7 @@ class CpuMemoryProbe:
             "params_bytes": params, "grads_bytes": grads, "optimizer_bytes": opt,
             "activations_bytes": p["Total"] - params - grads - opt,
             "breakdown_source": "MemTracker snapshot at the peak",
+            "notes": self.peaks.notes(),
         }
 
 
@@ -141,7 +156,7 @@ class CudaMemoryProbe:
             "params_bytes": params, "grads_bytes": grads, "optimizer_bytes": opt,
             "activations_bytes": max(0, self.peak - params - grads - opt),
             "breakdown_source": "at-rest sizes; activations = peak - the rest",
-            "notes": [self.sampler.error] if self.sampler.error else [],
+            "notes": ([self.sampler.error] if self.sampler.error else []) + self.peaks.notes(),
         }
 
 

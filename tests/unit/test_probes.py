@@ -82,6 +82,18 @@ def test_one_off_segments_count_their_max_and_repeated_ones_their_min():
     assert peaks.top() == "a bigger one-off"
 
 
+def test_steps_whose_memory_grows_every_time_count_the_last_and_say_so():
+    peaks = probes.SegmentPeaks()
+    for total in (100, 150, 200):  # a leak: each step keeps more than the one before
+        peaks.add(total, total, repeat="step")
+    assert peaks.top() == 200
+    assert peaks.notes() == ["memory grew every step segment (3 of them, +100 B in all): the last one's peak counts"]
+    noisy = probes.SegmentPeaks()
+    for total in (100, 150, 150):  # not growing every time: noise, the smallest counts
+        noisy.add(total, total, repeat="step")
+    assert noisy.top() == 100 and noisy.notes() == []
+
+
 def test_a_cpu_probe_counts_the_smallest_of_identical_steps():
     import torch
 
