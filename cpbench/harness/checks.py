@@ -42,10 +42,14 @@ def validate(suite: Suite, *, allow_faults: bool = False) -> None:
     _check_choice("dtype", suite.dtype, DTYPES)
     _check_choice("batch_kind", suite.batch_kind, BATCH_KINDS)
     _check_choice("parity", suite.parity, PARITY_MODES)
-    for name in ("batch_size", "measured_steps", "warmup_steps", "fsdp_size", "dp_replicate_size", "seed"):
-        minimum = 0 if name in ("warmup_steps", "seed") else 1
+    for name in ("batch_size", "measured_steps", "fsdp_size", "dp_replicate_size", "seed"):
+        minimum = 0 if name == "seed" else 1
         if getattr(suite, name) < minimum:
             raise err(name, getattr(suite, name), f"must be an integer >= {minimum}.")
+    if suite.warmup_steps < 1:
+        raise err("warmup_steps", suite.warmup_steps, "must be >= 1: memory is measured over the warmup steps (the "
+                  "only tracked steps with the optimizer state allocated); 3 lets the smallest of their peaks drop "
+                  "the noise of buffers freed late (see README).")
     if suite.timeout_s <= 0:
         raise err("timeout_s", suite.timeout_s, "must be a positive number of seconds.")
     config = preset.config(suite.model_overrides)

@@ -38,7 +38,7 @@ class Suite:
     device: str = "cpu"
     batch_size: int = 1
     batch_kind: str = "plain"
-    warmup_steps: int = 1
+    warmup_steps: int = 3  # tracked for memory: the smallest peak of identical steps counts (probes.py)
     measured_steps: int = 3
     parity: str = "auto"
     timeout_s: float = 300.0

@@ -49,7 +49,8 @@ COLUMNS: dict[str, tuple[pa.DataType, str]] = {
     "status_detail": (pa.string(), "the error message, why the point was skipped, or notes on an ok point (e.g. why NVML is null)"),
     "wall_s": (pa.float64(), "wall time of the whole point, launch included"),
     # memory (max over ranks, and per rank)
-    "peak_bytes": (pa.int64(), "peak memory per rank, max over ranks: CUDA max_memory_allocated, CPU peak live tensor bytes"),
+    "peak_bytes": (pa.int64(), "peak memory per rank, max over ranks: CUDA max_memory_allocated, CPU peak live "
+                   "tensor bytes; over the parity step and the warmup steps (the smallest of theirs, see README)"),
     "peak_bytes_per_rank": (_LIST_I64, "peak_bytes of each rank"),
     "reserved_bytes": (pa.int64(), "CUDA max_memory_reserved, max over ranks (null on CPU)"),
     "reserved_bytes_per_rank": (_LIST_I64, "reserved_bytes of each rank"),

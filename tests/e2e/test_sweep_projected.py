@@ -15,7 +15,7 @@ model = "tiny-qwen3"
 seq_lens = [250]
 cp_sizes = [2]
 attn_implementations = ["sdpa"]
-warmup_steps = 0
+warmup_steps = 1
 measured_steps = 1
 parity = "projected"
 """

@@ -18,7 +18,7 @@ model = "tiny-qwen3"
 seq_lens = [64]
 cp_sizes = [1]
 attn_implementations = ["sdpa"]
-warmup_steps = 0
+warmup_steps = 1
 measured_steps = 1
 parity = "full"
 """

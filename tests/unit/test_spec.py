@@ -64,6 +64,7 @@ def test_overrides_name_the_model():
     (BASE + 'dtype = "fp8"\n', "dtype", "use one of"),
     (BASE + 'batch_kind = "ragged"\n', "batch_kind", "use one of"),
     (BASE + "measured_steps = 0\n", "measured_steps", ">= 1"),
+    (BASE + "warmup_steps = 0\n", "`warmup_steps` = 0", "memory is measured over the warmup steps"),
     (BASE + "timeout_s = -1\n", "timeout_s", "positive"),
     (BASE + "model_overrides = {hiden_size = 8}\n", "model_overrides", "spelling"),
     (BASE + 'memory_budget = "lots"\n', "memory_budget", "80GiB"),
