@@ -47,13 +47,15 @@ class RotaryCuts:
         self._cuts = WeakIdKeyDictionary()
 
     def cut(self, rotary: tuple[torch.Tensor, ...], layout: SequenceLayout) -> tuple[torch.Tensor, ...]:
+        versions = tuple(t._version for t in rotary)  # an in-place change to the tables is a new table
         hit = self._cuts.get(rotary[0])
         if hit is not None:
-            hit_layout, refs, cut = hit
-            if hit_layout == layout and len(refs) == len(rotary) and all(r() is t for r, t in zip(refs, rotary)):
+            hit_layout, refs, hit_versions, cut = hit
+            same = len(refs) == len(rotary) and all(r() is t for r, t in zip(refs, rotary))
+            if same and hit_layout == layout and hit_versions == versions:
                 return cut
         cut = tuple(layout.cut(t, dim=-2).clone(memory_format=torch.contiguous_format) for t in rotary)
-        self._cuts[rotary[0]] = (layout, tuple(weakref.ref(t) for t in rotary), cut)
+        self._cuts[rotary[0]] = (layout, tuple(weakref.ref(t) for t in rotary), versions, cut)
         return cut
 
 

@@ -37,6 +37,8 @@ def test_new_tables_or_another_layout_are_cut_afresh():
     cos, _ = rotary
     new_sin = rotary[1] * 2  # same cos object, another sin: not the same tables
     assert cuts.cut((cos, new_sin), layout) is not first
+    cos.mul_(2)  # the same tensors changed in place: cut again, never the stale slice
+    torch.testing.assert_close(cuts.cut(rotary, layout)[0], layout.cut(cos, dim=-2), rtol=0, atol=0)
 
 
 def test_the_cache_lets_go_when_the_forward_drops_its_tables():
