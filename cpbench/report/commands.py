@@ -105,9 +105,11 @@ def run_gate(args: argparse.Namespace) -> int:
         same_hardware = check_comparable(baseline, run, allow_hardware_mismatch=args.allow_hardware_mismatch,
                                          allow_schema_mismatch=allow_schema)
         if not same_hardware:
-            print("note: baseline and run ran on different hardware (--allow-hardware-mismatch): status, parity "
-                  "and memory are gated; time is listed as warnings only")
-            rules = rules_across_hardware(rules)
+            cuda = bool((run["device"] == "cuda").any() or (baseline["device"] == "cuda").any())
+            gated, listed = ("status and parity", "time and memory") if cuda else ("status, parity and memory", "time")
+            print(f"note: baseline and run ran on different hardware (--allow-hardware-mismatch): {gated} are gated; "
+                  f"{listed} only listed as warnings")
+            rules = rules_across_hardware(rules, cuda)
         result = gate(baseline, run, rules)
     except FileNotFoundError as e:
         return _fail(str(e))

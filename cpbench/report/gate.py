@@ -3,7 +3,8 @@
 Fails on any parity failure, a point that was ok and is not any more, a crash that was not there before, a
 metric worse than its rule allows, and a baseline point the run lacks. Refuses (GateRefusal) to compare runs
 of different hardware or schema versions unless told to; told to compare other hardware, it gates what the
-hardware does not set (status, parity, tracked memory) and lists what it does (time) as warnings. Large
+hardware does not set (status, parity, CPU tracked memory) and lists what it does (time; CUDA memory) as
+warnings. Large
 improvements are listed so the baseline can be refreshed on purpose.
 """
 
@@ -58,19 +59,21 @@ def check_comparable(baseline: pd.DataFrame, run: pd.DataFrame, *, allow_hardwar
                           f"--update-baseline (after checking the run), or pass --allow-schema-mismatch")
     base_hw, run_hw = _values(baseline, "hardware_id"), _values(run, "hardware_id")
     if base_hw != run_hw and not allow_hardware_mismatch:
-        raise GateRefusal(f"hardware_id: baseline {base_hw}, run {run_hw}; memory and time are only comparable on "
-                          f"the same hardware — gate against a baseline recorded there, or pass --allow-hardware-mismatch")
+        raise GateRefusal(f"hardware_id: baseline {base_hw}, run {run_hw}; time (and CUDA memory) is only comparable "
+                          f"on the same hardware — gate against a baseline recorded there, or pass "
+                          f"--allow-hardware-mismatch (then status, parity and CPU memory are gated, the rest listed)")
     return base_hw == run_hw
 
 
-def hardware_bound(metric: str) -> bool:
-    """Metrics the hardware sets: times and rates (tracked memory, parity and status are the software's)."""
-    return metric.endswith("_s") or metric == "mfu"
+def hardware_bound(metric: str, cuda: bool) -> bool:
+    """Metrics the hardware sets: times, rates and the process RSS; on CUDA memory too (allocator workspaces and
+    kernel choices differ by GPU). On CPU the tracked tensor bytes, parity and status are the software's."""
+    return metric.endswith("_s") or metric == "mfu" or metric.startswith("rss_") or (cuda and metric.endswith("_bytes"))
 
 
-def rules_across_hardware(rules: list[Rule]) -> list[Rule]:
+def rules_across_hardware(rules: list[Rule], cuda: bool) -> list[Rule]:
     """The rules for runs on different hardware: a hardware-bound metric is listed as a warning, never failed."""
-    return [replace(r, action="warn") if hardware_bound(r.metric) else r for r in rules]
+    return [replace(r, action="warn") if hardware_bound(r.metric, cuda) else r for r in rules]
 
 
 def _values(frame: pd.DataFrame, column: str) -> list[str]:
