@@ -13,10 +13,13 @@ import multiprocessing as mp
 import os
 import pickle
 import socket
+import sys
 import tempfile
 import time
 import traceback
 from pathlib import Path
+
+PEER_GRACE_S = 10.0
 
 
 class RankFailure(RuntimeError):
@@ -51,7 +54,9 @@ def _child(fn, rank: int, world_size: int, port: int, out_dir: str, args: tuple,
         except Exception:  # noqa: BLE001 - keep the rank's own result; a failing teardown is reported beside it
             if result[0] == "ok":
                 result = ("error", "destroy_process_group failed:\n" + traceback.format_exc())
-    path.write_bytes(pickle.dumps(result))
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(pickle.dumps(result))
+    tmp.replace(path)  # whole or absent: the parent polls for it
 
 
 def run_ranks(fn, world_size: int, *args, timeout: float = 240.0, **kwargs) -> list:
@@ -61,7 +66,8 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 240.0, **kwargs) -> l
         # The free port is closed before rank 0's store binds it; in between another process may take it.
         if "Address already in use" not in str(e) and "EADDRINUSE" not in str(e):
             raise
-    return _run_ranks(fn, world_size, args, kwargs, timeout)  # once more, on a new port
+        print(f"run_ranks: the port was taken; once more on a new one. The first try said:\n{e}", file=sys.stderr)
+    return _run_ranks(fn, world_size, args, kwargs, timeout)
 
 
 def _run_ranks(fn, world_size: int, args: tuple, kwargs: dict, timeout: float) -> list:
@@ -74,9 +80,7 @@ def _run_ranks(fn, world_size: int, args: tuple, kwargs: dict, timeout: float) -
         ]
         for p in procs:
             p.start()
-        deadline = time.monotonic() + timeout
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
+        _wait(procs, Path(out_dir), timeout)
         hung = [r for r, p in enumerate(procs) if p.is_alive()]
         for p in procs:
             if p.is_alive():
@@ -95,7 +99,26 @@ def _run_ranks(fn, world_size: int, args: tuple, kwargs: dict, timeout: float) -
             if status == "error":
                 errors.append(f"rank {r} raised:\n{value}")
         if errors:
+            if hung:
+                errors.append(f"ranks {hung} were stopped {PEER_GRACE_S:.0f}s after that (blocked on the failed rank)")
             raise RankFailure("\n".join(errors))
         if hung:
             raise RankFailure(f"ranks {hung} still running after {timeout:.0f}s and were killed")
         return results
+
+
+def _wait(procs: list, out_dir: Path, timeout: float) -> None:
+    """Until every rank exits, `timeout` passes, or `PEER_GRACE_S` after a rank reported an error (its peers are
+    then most likely blocked in a collective with it, and would otherwise hold the test for the whole timeout)."""
+    deadline, failed_at = time.monotonic() + timeout, None
+    while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+        if failed_at is None and any(_failed(f) for f in out_dir.glob("rank*.pkl")):
+            failed_at = time.monotonic()
+        if failed_at is not None and time.monotonic() - failed_at > PEER_GRACE_S:
+            return
+        time.sleep(0.05)
+
+
+def _failed(result_file: Path) -> bool:
+    return pickle.loads(result_file.read_bytes())[0] == "error"
+

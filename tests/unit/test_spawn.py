@@ -21,6 +21,17 @@ def _fails_on_rank_1():
     return "fine"
 
 
+def _rank_1_fails_while_rank_0_waits_for_it():
+    import os
+
+    import torch.distributed as dist
+
+    if os.environ["RANK"] == "1":
+        raise KeyError("deliberate failure on rank 1")
+    dist.init_process_group("gloo")  # waits for rank 1, which never comes
+    return "unreachable"
+
+
 def _hangs_on_rank_0():
     import os
 
@@ -43,3 +54,10 @@ def test_hung_rank_is_killed_and_reported():
     # only rank 0 hangs.
     with pytest.raises(RankFailure, match=r"ranks \[0\] still running after 30s and were killed"):
         run_ranks(_hangs_on_rank_0, 2, timeout=30)
+
+
+@pytest.mark.timeout(120)  # well below run_ranks' own timeout: the blocked peer must not hold the test that long
+def test_a_failed_rank_stops_its_blocked_peer_without_waiting_for_the_timeout():
+    with pytest.raises(RankFailure, match=r"(?s)rank 1 raised:.*deliberate failure.*ranks \[0\] were stopped"):
+        run_ranks(_rank_1_fails_while_rank_0_waits_for_it, 2, timeout=600)
+
