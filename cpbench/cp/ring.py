@@ -125,7 +125,15 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        dq, dk, dv = _backward(dout, *ctx.saved_tensors, ctx.plan)
+        # Let go of the plan (it holds the model's whole mask) with the saved tensors: a graph node can outlive its
+        # backward (a memory tracker's hooks keep them), and the mask would then stay alive step after step.
+        plan, ctx.plan = ctx.plan, None
+        if plan is None:
+            raise RuntimeError(
+                "cp_ring's backward ran twice on the same graph (backward(retain_graph=True), then backward again); "
+                "ring attention frees its state after one backward: run the forward again for a second backward."
+            )
+        dq, dk, dv = _backward(dout, *ctx.saved_tensors, plan)
         return dq, dk, dv, None
 
 

@@ -153,13 +153,19 @@ def run_case(kind, source, kv_heads, layout_kind, dtype_name, group):
         q, k, v, masks, layout=layout, group=group, kernel=select_kernel("sdpa", q), scale=D**-0.5, counter=counter
     )
     forward_sends = counter.sends["forward"]
-    out.backward(layout.cut(inputs[3], dim=2))
+    out.backward(layout.cut(inputs[3], dim=2), retain_graph=True)
+    errs_extra = {"plan_released": out.grad_fn.plan is None}  # the node no longer holds the masks
+    try:
+        out.backward(layout.cut(inputs[3], dim=2))
+        errs_extra["second_backward"] = "ran"
+    except RuntimeError as e:
+        errs_extra["second_backward"] = str(e)
     got = {"out": out.detach(), "lse": lse, "dq": q.grad, "dk": k.grad, "dv": v.grad}
     errs = _errors(got, ref, layout, eager)
     expected = ring_p2p_count(layout.cp_size)
     errs["p2p"] = (forward_sends, counter.sends["backward"], counter.recvs["backward"])
     errs["p2p_expected"] = (expected["forward"], expected["backward"], expected["backward"])
-    return errs
+    return {**errs, **errs_extra}
 
 
 def ops_worker() -> dict:
@@ -199,3 +205,13 @@ def test_ring_p2p_transfers_are_what_the_algorithm_says(results, world):
     for key, per_rank in results[world].items():
         for rank, errs in enumerate(per_rank):
             assert errs["p2p"] == errs["p2p_expected"] == expected, (key, rank)
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_ring_backward_lets_go_of_its_masks_and_refuses_to_run_twice(results, world):
+    # After backward the graph node holds no masks (a node can outlive its step: the whole mask would pile up
+    # step after step); a second backward on the same graph is a clear error, not a wrong gradient.
+    for key, per_rank in results[world].items():
+        for rank, errs in enumerate(per_rank):
+            assert errs["plan_released"], (key, rank)
+            assert "backward ran twice" in errs["second_backward"], (key, rank, errs["second_backward"])
