@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from cpbench.cli import main
-from cpbench.report import store
+from cpbench.report import schema, store
 
 ROOT = Path(__file__).parents[2]
 LONG, SHORT = 1024, 128
@@ -85,7 +85,7 @@ def test_ok_points_have_plausible_memory_time_and_parity(run):
         assert r["rss_peak_bytes"] > r["peak_bytes"]
         assert len(r["step_times_s"]) == 2 and r["step_time_p10_s"] <= r["step_time_median_s"] <= r["step_time_p90_s"]
         assert r["tokens_per_s"] > 0 and r["flops_per_step"] > 0
-        assert r["torch_version"] and r["hardware_id"] and r["timestamp"] and r["schema_version"] == 1
+        assert r["torch_version"] and r["hardware_id"] and r["timestamp"] and r["schema_version"] == schema.SCHEMA_VERSION
 
 
 def test_cp2_per_rank_activations_are_well_below_cp1(run):
