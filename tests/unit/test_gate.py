@@ -7,6 +7,7 @@ import pytest
 
 from cpbench.report.gate import GateRefusal, check_comparable, gate, render, rules_across_hardware
 from cpbench.report.gate_rules import Rule, load_rules
+from cpbench.report.schema import SCHEMA_VERSION
 from tests.report_fixtures import make_run, row_of, slowed
 
 RULES = load_rules(Path(__file__).parents[2] / "results" / "baselines" / "gate-rules.toml")
@@ -120,7 +121,7 @@ def test_different_hardware_or_schema_is_refused_unless_allowed(baseline):
     assert check_comparable(baseline, run, allow_hardware_mismatch=True) is False
     assert check_comparable(baseline, baseline) is True
     with pytest.raises(GateRefusal, match="schema_version"):
-        check_comparable(baseline, baseline.assign(schema_version=2))
+        check_comparable(baseline, baseline.assign(schema_version=SCHEMA_VERSION + 1))
 
 
 def test_too_few_samples_make_a_slow_down_a_warning_not_a_failure():
