@@ -98,7 +98,7 @@ class CpuMemoryProbe:
     @contextlib.contextmanager
     def segment(self, repeat: str | None = None):
         self.tracker.reset_mod_stats()  # MemTracker keeps per-module stats of one iteration only
-        with self.tracker:
+        with no_gc(), self.tracker:
             yield
         snaps = list(self.tracker.get_tracker_snapshot("peak").values())
         if snaps:  # none only if nothing was ever tracked; a 0 would win the repeats' minimum
@@ -134,7 +134,7 @@ class CudaMemoryProbe:
     def segment(self, repeat: str | None = None):
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
-        with self.sampler:
+        with no_gc(), self.sampler:
             yield
             torch.cuda.synchronize(self.device)
         allocated = torch.cuda.max_memory_allocated(self.device)
@@ -257,9 +257,9 @@ class StepTimer:
 
 @contextlib.contextmanager
 def no_gc():
-    """Python's cycle collector off while memory is tracked: it runs at allocation-count thresholds, so freeing
-    cyclic garbage mid-step would move the peak from run to run (seen: +128 KiB on one rank of one point).
-    Collected first, so the segment starts clean; what the step leaves in cycles is counted, every run alike."""
+    """Python's cycle collector off while memory is tracked (every segment): it runs at allocation-count
+    thresholds, so freeing cyclic garbage mid-step could move the peak from run to run. Collected first, so the
+    segment starts clean; what the step leaves in cycles is counted, every run alike."""
     gc.collect()
     gc.disable()
     try:

@@ -30,7 +30,7 @@ from cpbench.report.units import parse_bytes
 from . import parity
 from .capture import capture
 from .presets import get_preset
-from .probes import StepTimer, memory_probe, no_gc, reset_rss_peak, rss_peak_bytes
+from .probes import StepTimer, memory_probe, reset_rss_peak, rss_peak_bytes
 from .spec import NO_STYLE, Point
 
 
@@ -111,7 +111,7 @@ def run_point(point: Point, *, rank: int, device, budget: int | None, cache_dir:
     probe = memory_probe(point.device, model, optimizer, budget)
     _inject(point, rank)
 
-    with no_gc(), probe.segment():  # step 0: the parity step (first, unchanged weights)
+    with probe.segment():  # step 0: the parity step (first, unchanged weights)
         out = forward(model, batch)
         out.loss.backward()
     ours, capture_error = None, None
@@ -120,11 +120,11 @@ def run_point(point: Point, *, rank: int, device, budget: int | None, cache_dir:
     del out
     if capture_error is not None and device.type == "cuda":
         torch.cuda.empty_cache()  # what the failed capture held
-    with no_gc(), probe.segment():  # step 0's optimizer step, which creates the optimizer state
+    with probe.segment():  # step 0's optimizer step, which creates the optimizer state
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     for _ in range(point.warmup_steps):  # identical steps: the smallest of their peaks counts (see probes.py)
-        with no_gc(), probe.segment(repeat="step"):
+        with probe.segment(repeat="step"):
             _train_step(model, optimizer, batch)
     timer = StepTimer(point.device)
     for _ in range(point.measured_steps):
