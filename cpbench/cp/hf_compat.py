@@ -10,7 +10,14 @@ Tested against transformers 5.23 (pinned in pyproject.toml). What cpbench relies
    `ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)`.
    A CP attention module gets a config *view* whose `_attn_implementation` is `CP_ATTENTION_KEY`; the function
    registered under that key runs the module's CP style around the model's real implementation.
-3. Decoder layers are called as `layer(hidden_states, attention_mask=..., position_ids=...,
+3. Tied input/output embeddings under FSDP2 (`tie_embedded_tail`): `model.all_tied_weights_keys`, the model's
+   `fsdp_plan` (its setter), `_get_fsdp_policy_kwargs(distributed_config)` and the mesh manager's `fsdp` /
+   `(dp_replicate, fsdp)` meshes, as transformers' own `apply_fully_sharded_data_parallelism` uses them.
+   transformers shards the embedding with the final norm and leaves the output projection to the root group:
+   a model tied before sharding then fails FSDP2's duplicate-parameter check, and one tied after (as
+   `from_pretrained` does) gathers the same matrix twice per step. cpbench shards [norm, embedding, head] as
+   one group around one shared parameter first and hands transformers the plan without them.
+4. Decoder layers are called as `layer(hidden_states, attention_mask=..., position_ids=...,
    position_embeddings=(cos, sin), **kwargs)` and pass `**kwargs` on to the attention interface; the split
    hook uses those names and passes the `SequenceLayout` along as `cp_layout`.
 """
@@ -22,6 +29,8 @@ import sys
 from collections.abc import Callable
 
 import torch
+from torch.distributed.fsdp import fully_shard
+from transformers.distributed.fsdp import _get_fsdp_policy_kwargs
 from transformers.distributed.mixin import DistributedMixin
 from transformers.distributed.utils import _bind_local_device, _ensure_torch_distributed
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -115,6 +124,47 @@ def init_distributed() -> torch.device:
     return _bind_local_device(device_type, int(os.environ.get("LOCAL_RANK", 0)))
 
 
+def _tied_tail(model: torch.nn.Module) -> dict[str, torch.nn.Module] | None:
+    """{name: module} of the modules to shard as one FSDP group when the output projection shares the input
+    embedding's weight (now, or once `from_pretrained` ties it after loading): the embedding, the head and the
+    modules the plan keeps gathered with them (the final norm). None when nothing is tied."""
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if embed is None or head is None or getattr(head, "weight", None) is None:
+        return None
+    names = {module: name for name, module in model.named_modules()}
+    embed_name, head_name = names.get(embed), names.get(head)
+    tied_keys = getattr(model, "all_tied_weights_keys", None) or {}
+    declared = tied_keys.get(f"{head_name}.weight") == f"{embed_name}.weight"
+    if head.weight is not embed.weight and not declared:
+        return None
+    kept = [n for n, style in model.fsdp_plan.items() if style == "keep_full_weight" and "*" not in n]
+    return {n: model.get_submodule(n) for n in dict.fromkeys([embed_name, head_name, *kept])}
+
+
+def tie_embedded_tail(model: torch.nn.Module, distributed_config, mesh_manager) -> dict[str, str] | None:
+    """For a tied model: ties head and embedding to one parameter, shards [norm, embedding, head] as one FSDP
+    group (gathered once, kept through the step as transformers keeps the tail), and removes them from the
+    model's `fsdp_plan`. Returns the full plan, to be restored once transformers has sharded the rest."""
+    tail = _tied_tail(model)
+    if tail is None:
+        return None
+    clash = sorted(set(distributed_config.fsdp_plan or {}) & set(tail))
+    if clash:
+        raise ValueError(
+            f"`fsdp_plan` overrides {clash}, but this model ties its output projection to its input embedding: "
+            "cpbench shards them (with the final norm) as one FSDP group under cp_size > 1. Drop those keys."
+        )
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    head.weight = embed.weight  # one parameter for FSDP to manage; `from_pretrained` re-ties to the same one
+    replicate = distributed_config.dp_replicate_size > 1
+    mesh = mesh_manager.get_mesh(("dp_replicate", "fsdp") if replicate else "fsdp")
+    fully_shard(list(tail.values()), mesh=mesh, reshard_after_forward=False,
+                **_get_fsdp_policy_kwargs(distributed_config))
+    full_plan = dict(model.fsdp_plan)
+    model.fsdp_plan = {k: v for k, v in full_plan.items() if k not in tail}
+    return full_plan
+
+
 _ORIGINAL = {}
 
 
@@ -137,7 +187,10 @@ def install() -> None:
         if not apply.wants_cp(distributed_config):
             return _ORIGINAL["maybe"](cls, model, distributed_config, mesh_manager)
         plan = apply.resolve_for(model, distributed_config)
+        full_fsdp_plan = tie_embedded_tail(model, distributed_config, mesh_manager)
         model = _ORIGINAL["maybe"](cls, model, distributed_config, mesh_manager)  # FSDP2 over fsdp x cp
+        if full_fsdp_plan is not None:
+            model.fsdp_plan = full_fsdp_plan
         return apply.apply_context_parallel(model, mesh_manager, distributed_config, plan)
 
     DistributedMixin.prepare_distribute_model = classmethod(prepare_distribute_model)
