@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from . import hf_compat
 from .config import DistributedConfig
-from .forward import refuse_generate, wrap_forward
+from .forward import ForwardState, refuse_generate, wrap_forward
 from .layout import SequenceLayout
 from .mesh import CPDeviceMesh, build_mesh
 from .plan import ResolvedPlan, attention_style, default_cp_plan, merge_plan, refusal_reason, resolve_plan
@@ -26,6 +26,7 @@ from .split import RotaryCuts, make_split_hook
 class AttentionBinding:
     style: object
     group: dist.ProcessGroup
+    kernel_device: str | None = None  # DistributedConfig.cp_kernel_device
 
 
 def wants_cp(config) -> bool:
@@ -86,18 +87,25 @@ def apply_context_parallel(
     group = mesh.cp_group
     rank = dist.get_rank(group)
     make_layout = functools.partial(SequenceLayout, cp_size=config.cp_size, rank=rank, kind=plan.layout)
+    state = ForwardState(make_layout)
     rotary_cuts = RotaryCuts()
     for name in plan.split_modules:
-        hook = make_split_hook(name == plan.first_split, make_layout, rotary_cuts)
+        hook = make_split_hook(name == plan.first_split, state, rotary_cuts)
         model.get_submodule(name).register_forward_pre_hook(hook, with_kwargs=True)
     for name, style_name in plan.attention_modules.items():
-        hf_compat.bind_attention(model.get_submodule(name), AttentionBinding(attention_style(style_name), group))
+        hf_compat.bind_attention(model.get_submodule(name), AttentionBinding(
+            attention_style(style_name), group, config.cp_kernel_device))
     model.cp_plan = model_cp_plan(model, config)
     model.cp_resolved_plan = plan
     model.cp_group = group
-    model.forward = wrap_forward(model.forward, make_layout, group, causal_lm=_is_causal_lm(model))
+    model.forward = wrap_forward(model.forward, state, group, causal_lm=_is_causal_lm(model))
     model.generate = refuse_generate
     return model
+
+
+def _all_on(model: torch.nn.Module, device: torch.device) -> bool:
+    tensors = [*model.parameters(), *model.buffers()]
+    return all(t.device == device for t in tensors)
 
 
 def _is_causal_lm(model: torch.nn.Module) -> bool:
@@ -114,8 +122,11 @@ def check_model_head(model: torch.nn.Module) -> None:
         )
 
 
-def parallelize(model: torch.nn.Module, config: DistributedConfig) -> torch.nn.Module:
-    """Distributes a built model (e.g. from `from_config`, seeded identically on every rank) per `config`."""
+def parallelize(model: torch.nn.Module, config: DistributedConfig, mesh: CPDeviceMesh | None = None):
+    """Distributes a built model (e.g. from `from_config`, seeded identically on every rank) per `config`.
+
+    `mesh`: a mesh built beforehand with `build_mesh(config, device_type)` (e.g. outside a fake-tensor mode,
+    under which a DeviceMesh cannot be built); by default it is built here."""
     if not isinstance(config, DistributedConfig):
         raise TypeError(f"parallelize() needs a cpbench.DistributedConfig, got {type(config).__name__}.")
     if getattr(model, "cp_group", None) is not None or getattr(model, "_is_fsdp_managed_module", False):
@@ -124,9 +135,13 @@ def parallelize(model: torch.nn.Module, config: DistributedConfig) -> torch.nn.M
             "distributed_config or an earlier parallelize). Pass the model built without a distributed_config."
         )
     cls = type(model)
-    config, device_map, mesh = cls.prepare_distribute_model(config)
     if mesh is None:
-        return model
-    if isinstance(device_map, torch.device):
-        model.to(device_map)
+        config, device_map, mesh = cls.prepare_distribute_model(config)
+        if mesh is None:
+            return model
+    else:
+        check_model_class(cls, model.config.model_type)
+        device_map = hf_compat.init_distributed()
+    if isinstance(device_map, torch.device) and not _all_on(model, device_map):
+        model.to(device_map)  # a no-op move is skipped: `to()` swaps every parameter even then
     return cls.maybe_distribute_model(model, config, mesh)

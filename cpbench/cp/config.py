@@ -27,10 +27,14 @@ class DistributedConfig(HFDistributedConfig):
         cp_size: ranks that split every sequence between them. 1 turns context parallelism off.
         cp_plan: overrides merged into the model's default plan, keyed like `model.cp_plan`
             (e.g. `{"model.layers.*.self_attn": "cp_ring"}`). A value of `None` removes a rule.
+        cp_kernel_device: the device type ("cuda", "cpu") whose attention kernels the CP styles pick; None (the
+            default) is the device of the tensors. A projection (`cpbench estimate`) runs a CUDA step on CPU fake
+            tensors and sets "cuda", so that the kernels, and the memory they hold, are those CUDA would run.
     """
 
     cp_size: int | None = None
     cp_plan: dict[str, str | None] | None = None
+    cp_kernel_device: str | None = None
 
     def __post_init__(self):
         if self.cp_size is None:
@@ -41,6 +45,8 @@ class DistributedConfig(HFDistributedConfig):
             raise TypeError(
                 f"`cp_plan` must be a dict mapping module patterns to style names, got {type(self.cp_plan).__name__}."
             )
+        if self.cp_kernel_device not in (None, "cpu", "cuda"):
+            raise ValueError(f"`cp_kernel_device` must be None, 'cpu' or 'cuda', got {self.cp_kernel_device!r}.")
         if self.cp_size > 1:  # before transformers' checks, whose messages don't know about cp
             self._refuse_unsupported_combinations()
         super().__post_init__()

@@ -8,10 +8,36 @@ only its real tokens.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import inspect
 
+from .batch_mask import BatchFacts
 from .layout import SequenceLayout
 from .loss import cp_causal_lm_loss
+
+
+class ForwardState:
+    """The layout of the forward in flight, shared by the model's forward wrapper (which makes it from the full
+    inputs) and its split hooks (which hand it to the layers)."""
+
+    def __init__(self, make_layout):
+        self.make_layout = make_layout
+        self.layout: SequenceLayout | None = None
+
+    @contextlib.contextmanager
+    def active(self, layout: SequenceLayout):
+        previous, self.layout = self.layout, layout
+        try:
+            yield
+        finally:
+            self.layout = previous
+
+    def layout_for(self, seq_len: int) -> SequenceLayout:
+        """The forward's layout; a layer called outside the model's forward gets one without batch facts."""
+        if self.layout is not None and self.layout.seq_len == seq_len:
+            return self.layout
+        return self.make_layout(seq_len)
 
 
 def refuse_generate(*args, **kwargs):
@@ -39,8 +65,9 @@ def _trim(x, layout: SequenceLayout):
     return x[:, :valid].clone() if valid < x.shape[1] else x
 
 
-def wrap_forward(forward, make_layout, group, *, causal_lm: bool):
+def wrap_forward(forward, state: ForwardState, group, *, causal_lm: bool):
     """`forward` of a CP model: full sequences in, this rank's slice (and the whole-sequence loss) out."""
+    signature = inspect.signature(forward)
 
     @functools.wraps(forward)
     def cp_forward(input_ids=None, *args, labels=None, num_items_in_batch=None, **kwargs):
@@ -49,9 +76,13 @@ def wrap_forward(forward, make_layout, group, *, causal_lm: bool):
             raise ValueError("labels were passed to a CP base model; use a *ForCausalLM model to get the loss.")
         return_dict = kwargs.pop("return_dict", None)
         kwargs.update(use_cache=False, return_dict=True)
-        out = forward(input_ids, *args, **kwargs)
         tokens = input_ids if input_ids is not None else kwargs.get("inputs_embeds")
-        layout = make_layout(tokens.shape[1])
+        seq_len = tokens.shape[1]
+        given = signature.bind_partial(input_ids, *args, **kwargs).arguments  # the mask may come positionally
+        facts = BatchFacts(seq_len, given.get("attention_mask"), given.get("position_ids"))
+        layout = state.make_layout(seq_len, facts=facts)
+        with state.active(layout):
+            out = forward(input_ids, *args, **kwargs)
         if causal_lm:
             fields = {"logits": _trim(out.logits, layout)}
             if labels is not None:

@@ -17,13 +17,17 @@ Tested against transformers 5.23 (pinned in pyproject.toml). What cpbench relies
    a model tied before sharding then fails FSDP2's duplicate-parameter check, and one tied after (as
    `from_pretrained` does) gathers the same matrix twice per step. cpbench shards [norm, embedding, head] as
    one group around one shared parameter first and hands transformers the plan without them.
-4. Decoder layers are called as `layer(hidden_states, attention_mask=..., position_ids=...,
+4. `transformers.masking_utils.is_tracing` (only inside `known_values_are_not_tracing`, which projections use):
+   transformers treats every fake tensor as tracing and then builds a dense mask where real values would let
+   it skip one; a fake tensor that carries its real values (a constant) is not tracing.
+5. Decoder layers are called as `layer(hidden_states, attention_mask=..., position_ids=...,
    position_embeddings=(cos, sin), **kwargs)` and pass `**kwargs` on to the attention interface; the split
    hook uses those names and passes the `SequenceLayout` along as `cp_layout`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from collections.abc import Callable
@@ -40,6 +44,7 @@ HIDDEN_STATES = "hidden_states"
 POSITION_EMBEDDINGS = "position_embeddings"
 POSITION_IDS = "position_ids"
 LAYOUT_KWARG = "cp_layout"
+KERNEL_DEVICE_KWARG = "kernel_device"  # DistributedConfig.cp_kernel_device, handed to a style when set
 
 
 class AttentionConfigView:
@@ -102,6 +107,8 @@ def _cp_attention(module, query, key, value, attention_mask, **kwargs):
             f"{type(module).__name__} has a CP attention style but its decoder layer has no split style: "
             "add the layer to `cp_plan` with 'cp_split_sequence'."
         )
+    if binding.kernel_device is not None:  # only when set (projections): a custom style need not know it
+        kwargs[KERNEL_DEVICE_KWARG] = binding.kernel_device
     return binding.style.fn(
         module, query, key, value, attention_mask,
         inner=inner_attention(module), group=binding.group, layout=layout, **kwargs,
@@ -163,6 +170,27 @@ def tie_embedded_tail(model: torch.nn.Module, distributed_config, mesh_manager) 
     full_plan = dict(model.fsdp_plan)
     model.fsdp_plan = {k: v for k, v in full_plan.items() if k not in tail}
     return full_plan
+
+
+@contextlib.contextmanager
+def known_values_are_not_tracing():
+    """While entered, transformers' mask code reads fake tensors that carry their values (FakeTensor.constant) as
+    it reads real ones. Fake tensors without values still count as tracing, as before."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from transformers import masking_utils
+
+    original = masking_utils.is_tracing
+
+    def is_tracing(tensor=None) -> bool:
+        if isinstance(tensor, FakeTensor) and tensor.constant is not None:
+            return original(None)  # still tracing under torch.compile or jit
+        return original(tensor)
+
+    masking_utils.is_tracing = is_tracing
+    try:
+        yield
+    finally:
+        masking_utils.is_tracing = original
 
 
 _ORIGINAL = {}

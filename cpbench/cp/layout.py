@@ -8,7 +8,7 @@ attended to and never counted in the loss.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
@@ -24,6 +24,9 @@ class SequenceLayout:
     cp_size: int
     rank: int
     kind: str = "contiguous"
+    # The forward's batch (documents, padding) for the attention styles that need it (`batch_mask.BatchFacts`);
+    # not part of the layout's identity.
+    facts: object = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         if self.kind not in LAYOUT_KINDS:

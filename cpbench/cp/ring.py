@@ -153,7 +153,9 @@ def ring_attention_with_lse(
     return _RingAttention.apply(q_bhsd, k_bhsd, v_bhsd, RingPlan(comm, layout, masks, kernel, scale))
 
 
-def ring_attention(module, query, key, value, attention_mask, *, inner, group, layout, p2p_counter=None, **kwargs):
+def ring_attention(
+    module, query, key, value, attention_mask, *, inner, group, layout, p2p_counter=None, kernel_device=None, **kwargs
+):
     """The attention function of the `cp_ring` / `cp_ring_zigzag` styles (see styles.py for the contract)."""
     del inner  # the ring runs its own block kernel, chosen from the model's attn_implementation
     dropout = kwargs.get("dropout") or 0.0
@@ -162,11 +164,13 @@ def ring_attention(module, query, key, value, attention_mask, *, inner, group, l
             f"cp_ring does not implement attention dropout (got dropout={dropout}); set the config's "
             "attention_dropout=0.0, call model.eval(), or use cp_ulysses."
         )
-    kernel = select_kernel(model_attention_implementation(module), query, kwargs.get("softcap"))
+    implementation = model_attention_implementation(module)
+    kernel = select_kernel(implementation, query, kwargs.get("softcap"), kernel_device)
     masks = build_ring_masks(
         attention_mask, seq_len=layout.seq_len, padded_len=layout.padded_len, device=query.device,
         is_causal=getattr(module, "is_causal", True), position_ids=kwargs.get("position_ids"),
-        sliding_window=kwargs.get("sliding_window"),
+        sliding_window=kwargs.get("sliding_window"), eager=implementation == "eager",
+        batch=layout.facts.get() if layout.facts is not None else None,
     )
     scale = kwargs.get("scaling")
     scale = query.shape[-1] ** -0.5 if scale is None else scale

@@ -42,9 +42,9 @@ def _flash_ops():
     return _flash_attn_forward, _flash_attn_backward
 
 
-def flash_kernel_or_none(query: torch.Tensor, softcap: float | None):
+def flash_kernel_or_none(query: torch.Tensor, softcap: float | None, device_type: str | None = None):
     """The flash-attn kernel when it can run here (CUDA, fp16/bf16, flash-attn installed), else None."""
-    if query.device.type != "cuda" or query.dtype not in FLASH_DTYPES:
+    if (device_type or query.device.type) != "cuda" or query.dtype not in FLASH_DTYPES:
         return None
     ops = _flash_ops()
     return None if ops is None else FlashAttnKernel(*ops, softcap=softcap)

@@ -10,8 +10,6 @@ stay whole.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
-
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -59,11 +57,12 @@ class RotaryCuts:
         return cut
 
 
-def make_split_hook(cuts_input: bool, make_layout: Callable[[int], SequenceLayout], rotary_cuts: RotaryCuts):
-    """A forward pre-hook (with kwargs) for one decoder layer; `rotary_cuts` is shared by a model's layers."""
+def make_split_hook(cuts_input: bool, state, rotary_cuts: RotaryCuts):
+    """A forward pre-hook (with kwargs) for one decoder layer; `state` (forward.ForwardState) and `rotary_cuts`
+    are shared by a model's layers."""
 
     def hook(module, args, kwargs):
-        layout = make_layout(full_length(args, kwargs, cuts_input))
+        layout = state.layout_for(full_length(args, kwargs, cuts_input))
         if cuts_input:
             # A copy, not a view: a view would keep the whole sequence's hidden states alive through backward.
             hidden = layout.cut(_hidden(args, kwargs), dim=1).clone()

@@ -61,6 +61,7 @@ def _to_layout_order(x_bhsd: torch.Tensor, layout: SequenceLayout) -> torch.Tens
 
 
 def ulysses_attention(module, query, key, value, attention_mask, *, inner, group, layout, **kwargs):
+    kwargs.pop("kernel_device", None)  # the model's own backend runs: it picks its kernels itself
     cp = layout.cp_size
     num_heads = query.shape[1]
     q_bhsd = _to_global_order(_seq_to_heads(query, group, cp), layout)

@@ -45,7 +45,7 @@ def test_packed_documents_from_position_ids():
     tile = m.tile(8, 0, 8)
     assert tile.kind == DENSE
     assert not tile.allowed[0, 0, :, :6].any() and tile.allowed[0, 0, :, 6:].any()
-    assert masks(position_ids=torch.arange(16)[None]).doc_ids is None  # one document: no mask needed
+    assert masks(position_ids=torch.arange(16)[None]).batch.doc_ids is None  # one document: no mask needed
 
 
 def test_two_d_padding_mask_hides_padded_keys():

@@ -5,6 +5,7 @@ import gc
 import pytest
 import torch
 
+from cpbench.cp.forward import ForwardState
 from cpbench.cp.hf_compat import LAYOUT_KWARG, POSITION_EMBEDDINGS
 from cpbench.cp.layout import SequenceLayout
 from cpbench.cp.split import RotaryCuts, make_split_hook
@@ -55,7 +56,8 @@ def test_the_cache_lets_go_when_the_forward_drops_its_tables():
 def test_the_hook_cuts_hidden_states_and_rotary_and_passes_the_layout():
     cuts = RotaryCuts()
     make = lambda n: SequenceLayout(n, cp_size=2, rank=1, kind="contiguous")  # noqa: E731
-    first, later = make_split_hook(True, make, cuts), make_split_hook(False, make, cuts)
+    state = ForwardState(make)  # no forward in flight: the hook makes the layout from the length
+    first, later = make_split_hook(True, state, cuts), make_split_hook(False, state, cuts)
     hidden, rotary = torch.randn(1, 12, 4), _tables()
     args, kwargs = first(None, (hidden,), {POSITION_EMBEDDINGS: rotary})
     torch.testing.assert_close(args[0], hidden[:, 6:], rtol=0, atol=0)
