@@ -57,7 +57,7 @@ def write_run(frame: pd.DataFrame, run_dir: str | Path) -> Path:
 def _row(rng, backend, cp, style, seq_len, oom_cp1_at, steps, noise, run_id) -> dict:
     spec = {"model": "llama-tiny", "seq_len": seq_len, "batch_size": 1, "batch_kind": "plain", "cp_size": cp,
             "fsdp_size": 1, "dp_replicate_size": 1, "attn_implementation": backend, "cp_style": style,
-            "dtype": "float32", "device": "cpu"}
+            "dtype": "float32", "device": "cpu", "keep_outputs": False}
     row = {name: None for name in ARROW_SCHEMA.names}
     row.update(spec)
     row.update(_identity(spec, run_id, steps))
@@ -80,7 +80,7 @@ def _row(rng, backend, cp, style, seq_len, oom_cp1_at, steps, noise, run_id) -> 
 def _identity(spec: dict, run_id: str, steps: int) -> dict:
     key = hashlib.sha1(json.dumps([spec[k] for k in KEY_COLUMNS]).encode()).hexdigest()[:16]
     point_id = f"{spec['model']}/s{spec['seq_len']}/cp{spec['cp_size']}/{spec['attn_implementation']}/{spec['cp_style']}"
-    return {"schema_version": SCHEMA_VERSION, "suite": "test-suite", "run_id": run_id, "point_id": point_id,
+    return {"schema_version": SCHEMA_VERSION, "measurement": "measured", "suite": "test-suite", "run_id": run_id, "point_id": point_id,
             "point_key": key, "model_type": "llama", "num_params": NUM_PARAMS, "world_size": spec["cp_size"],
             "warmup_steps": 2, "measured_steps": steps, "parity_mode": "full", "spec_json": json.dumps(spec)}
 

@@ -80,6 +80,7 @@ _SCALARS = {  # field -> (check, what to write)
     "batch_kind": (lambda v: isinstance(v, str), 'a string, e.g. batch_kind = "plain"'),
     "warmup_steps": (_is_int, "an integer, e.g. warmup_steps = 1"),
     "measured_steps": (_is_int, "an integer, e.g. measured_steps = 6"),
+    "keep_outputs": (lambda v: isinstance(v, bool), "true or false"),
     "parity": (lambda v: isinstance(v, str), 'a string, e.g. parity = "auto"'),
     "timeout_s": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number of seconds"),
     "seed": (_is_int, "an integer, e.g. seed = 0"),

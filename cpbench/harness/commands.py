@@ -25,6 +25,36 @@ def register(subparsers) -> None:
     run.set_defaults(func=run_command)
 
 
+    est = subparsers.add_parser(
+        "estimate", help="project a suite's points (fake tensors, fake process group): memory per rank, no GPU",
+        description="Project a suite's points: cpbench's own step on fake tensors against a fake process group, in "
+                    "this process, into results/<suite>/<run>/runs.parquet (measurement = projected). Give a suite "
+                    "file, or --model/--seq/--cp for one model without a suite. Exit status: 1 when a point's "
+                    "projection is an `error`; 0 otherwise (`oom` and `skipped` are results); 2 for bad arguments.")
+    est.add_argument("suite", nargs="?", default=None, help="suite file (or use --model)")
+    est.add_argument("--device-memory", default=None,
+                     help="capacity per rank, e.g. 80GiB: a point whose projected peak passes it is `oom` "
+                          "(default: the suite's memory_budget)")
+    est.add_argument("--max-seq", action="store_true",
+                     help="per configuration, search the largest length that fits the capacity (see --granularity)")
+    est.add_argument("--granularity", type=int, default=1024, help="tokens: the --max-seq search's step (1024)")
+    est.add_argument("--jobs", type=int, default=None,
+                     help="worker processes, one (point, rank) projection each (default: the CPUs, at most 8)")
+    est.add_argument("--out", type=Path, default=Path("results"), help="results folder (default: results)")
+    est.add_argument("--run-name", dest="run", default=None, help="run folder name (default: a UTC timestamp)")
+    quick = est.add_argument_group("one model without a suite file")
+    quick.add_argument("--model", default=None, help="a preset, e.g. qwen3-0.6b")
+    quick.add_argument("--seq", default=None, help="lengths, e.g. 16384,32768")
+    quick.add_argument("--cp", default="1,2", help="cp sizes (default 1,2)")
+    quick.add_argument("--attn", default="sdpa", help="attention backends (default sdpa)")
+    quick.add_argument("--styles", default="cp_ulysses,cp_ring_zigzag", help="CP styles at cp > 1")
+    quick.add_argument("--dtype", default="bfloat16", help="float32 | bfloat16 | float16 (default bfloat16)")
+    quick.add_argument("--device", default="cuda", help="the device projected: its kernels (default cuda)")
+    quick.add_argument("--world-size", type=int, default=None, help="ranks; fsdp fills what cp leaves")
+    quick.add_argument("--batch-kind", default="plain", help="plain | packed | padded")
+    est.set_defaults(func=estimate_command)
+
+
 EXIT_CODES = ("Exit status: 1 when a point of the run is `error` or `timeout`, or a point's parity is `fail`; "
               "0 otherwise (`oom` and `skipped` points are results, not failures); 2 for a bad suite or arguments.")
 
@@ -100,3 +130,66 @@ def sweep_command_for(args) -> int:
     mine = df[df["point_id"].isin(args.points)]
     print(summary_table(mine))
     return _exit_code(failures(mine), "run")
+
+
+def _quick_suite(args):
+    from .spec import Suite, load_suite
+
+    if args.suite is not None:
+        if args.model is not None:
+            raise ValueError("give a suite file or --model, not both")
+        return args.suite
+    if args.model is None or args.seq is None:
+        raise ValueError("give a suite file, or --model and --seq (e.g. --model qwen3-0.6b --seq 16384,32768)")
+    fields = {"name": f"estimate-{args.model}", "model": args.model, "seq_lens": _ints("--seq", args.seq),
+              "cp_sizes": _ints("--cp", args.cp), "attn_implementations": _names(args.attn),
+              "cp_styles": _names(args.styles), "dtype": args.dtype, "device": args.device,
+              "batch_kind": args.batch_kind, "warmup_steps": 1, "measured_steps": 1}
+    if args.world_size is not None:
+        fields["world_size"] = args.world_size
+    text = "\n".join(f"{k} = {_toml(v)}" for k, v in fields.items())
+    return load_suite(f"--model {args.model}", text=text)
+
+
+def _ints(flag: str, text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} {text!r}: give comma-separated integers, e.g. 16384,32768") from None
+
+
+def _names(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def _toml(value) -> str:
+    import json
+
+    return json.dumps(value)  # lists of ints/strings and strings: JSON is TOML here
+
+
+def estimate_command(args) -> int:
+    from cpbench.report import store
+    from cpbench.report.derive import largest_fit
+
+    from .estimate import EstimateOptions, run_estimate
+    from .summary import summary_table
+
+    t0 = time.perf_counter()
+    try:
+        suite = _quick_suite(args)
+        opts = EstimateOptions(suite=suite, out=args.out, run=args.run, device_memory=args.device_memory,
+                               max_seq=args.max_seq, granularity=args.granularity, jobs=args.jobs)
+        run_dir = run_estimate(opts, on_row=lambda row: print(f"  {row['point_id']}: {row['status']}", flush=True))
+    except ValueError as e:
+        print(f"cpbench estimate: {e}", file=sys.stderr)
+        return 2
+    df = store.read_run(run_dir)
+    print(summary_table(df))
+    if args.max_seq:
+        fits = largest_fit(df)
+        print("\nlargest length that fits (projected), per configuration:")
+        print(fits.to_string(index=False))
+    print(f"\n{len(df)} projected points in {store.runs_path(run_dir)} ({time.perf_counter() - t0:.0f}s)")
+    errors = [f"{r['point_id']}: error" for r in df.to_dict("records") if r["status"] == "error"]
+    return _exit_code(errors, "estimate")

@@ -20,16 +20,16 @@ from .presets import get_preset
 from .spec import Point
 
 
-def base_row(point: Point, *, run_id: str, env: dict, budget: int | None) -> dict:
+def base_row(point: Point, *, run_id: str, env: dict, budget: int | None, measurement: str = "measured") -> dict:
     spec = point.to_dict()
     row = {c: spec[c] for c in (
         "suite", "model", "seq_len", "batch_size", "batch_kind", "cp_size", "fsdp_size", "dp_replicate_size",
         "world_size", "attn_implementation", "cp_style", "dtype", "device", "warmup_steps", "measured_steps",
-        "parity_mode",
+        "keep_outputs", "parity_mode",
     )}
     config = get_preset(point.preset).config(point.model_overrides)
     row.update(
-        schema_version=SCHEMA_VERSION, run_id=run_id, point_id=point.point_id, point_key=point.point_key,
+        schema_version=SCHEMA_VERSION, measurement=measurement, run_id=run_id, point_id=point.point_id, point_key=point.point_key,
         model_type=config.model_type, spec_json=json.dumps(spec, sort_keys=True), memory_budget_bytes=budget,
         flops_per_step=float(train_step_flops(config, point.seq_len, point.batch_size * _dp(point))),
         timestamp=now_iso(), **env,
@@ -63,16 +63,26 @@ def measured_row(point: Point, records: list[dict], wall_s: float, **ctx) -> dic
         **_per_rank(records, "reserved_bytes"), **_per_rank(records, "device_peak_bytes"),
         **_per_rank(records, "rss_peak_bytes"),
         alloc_retries=_max_or_none(r["alloc_retries"] for r in records),
-        params_bytes=top["params_bytes"], grads_bytes=top["grads_bytes"],
-        optimizer_bytes=top["optimizer_bytes"], activations_bytes=top["activations_bytes"],
+        params_bytes=top["params_bytes"], grads_bytes=top["grads_bytes"], optimizer_bytes=top["optimizer_bytes"],
+        activations_bytes=top["activations_bytes"], temporaries_bytes=top.get("temporaries_bytes"),
+        **_comm_columns(records),
     )
-    row.update(_time_columns(records, row["flops_per_step"], point, ctx["env"]))
-    row.update(records[0].get("parity") or {"parity_status": "error", "parity_detail": "rank 0 sent no parity"})
+    if row["measurement"] == "projected":
+        row.update(parity_status="skipped", parity_detail="a projection computes no values: no parity")
+    else:
+        row.update(_time_columns(records, row["flops_per_step"], point, ctx["env"]))
+        row.update(records[0].get("parity") or {"parity_status": "error", "parity_detail": "rank 0 sent no parity"})
     budget = ctx.get("budget")
     if budget is not None and row["peak_bytes"] > budget:
         why = f"peak {row['peak_bytes']} bytes > memory budget {budget} bytes"
         row.update(status="oom", status_detail="; ".join(filter(None, [why, row["status_detail"]])))
     return row
+
+
+def _comm_columns(records: list[dict]) -> dict:
+    """Collectives of one step: the max over ranks per column (null where a record has none)."""
+    names = [k for k in records[0] if k.startswith("comm_")]
+    return {k: _max_or_none(r.get(k) for r in records) for k in names}
 
 
 def _notes(records: list[dict]) -> str | None:

@@ -5,6 +5,8 @@
 - a FlashAttention backend whose package is not installed;
 - a CUDA point on a machine with fewer GPUs than ranks (one GPU per rank: NCCL refuses two ranks on one GPU,
   and gloo cannot run all-to-all on CUDA tensors);
+- in a projection (`cpbench estimate`), instead of the two above: a backend whose kernels cannot run on fake CPU
+  tensors (flash-attn, flex_attention);
 - a point longer than a sequence at which the same configuration already ran out of memory: the longest
   length that fitted, per cp size, is then data in the table.
 """
@@ -37,9 +39,19 @@ class SkipRules:
             if pid in by_id:
                 self.observe(by_id[pid], status)
 
-    def why_skip(self, point: Point) -> str | None:
-        return (self._style(point) or self._backend(point) or self._kernels(point) or self._devices(point)
-                or self._oom(point))
+    def why_skip(self, point: Point, *, projection: bool = False) -> str | None:
+        """Why `point` is not run (measured, or `projection`: on fake tensors here), or None."""
+        checks = (self._style, self._backend) + ((self._projectable,) if projection else (self._kernels, self._devices))
+        return next((why for why in (check(point) for check in checks) if why), None) or self._oom(point)
+
+    @staticmethod
+    def _projectable(point: Point) -> str | None:
+        if point.attn_implementation in KERNEL_PACKAGES:
+            return (f"a projection runs on CPU fake tensors, where {point.attn_implementation}'s CUDA kernels cannot "
+                    "run; project the sdpa points instead (on CUDA, sdpa runs the flash and memory-efficient kernels)")
+        if point.attn_implementation == "flex_attention":
+            return "a projection cannot run flex_attention's compiled kernels on fake tensors"
+        return None
 
     @staticmethod
     def _style(point: Point) -> str | None:

@@ -8,6 +8,8 @@ from cpbench.report.units import human_bytes, ms, sig
 
 def summary_table(df) -> str:
     """One line per point: what fits, how fast, and whether it matches the unsharded run."""
+    if len(df) and "measurement" in df and (df["measurement"] == "projected").all():
+        return projected_table(df)
     header = ["point", "status", "peak/rank", "activations", "RSS", "step (p50)", "tok/s", "parity"]
     lines = []
     for r in df.to_dict("records"):
@@ -17,6 +19,24 @@ def summary_table(df) -> str:
             human_bytes(r.get("rss_peak_bytes")), ms(r.get("step_time_median_s")), sig(r.get("tokens_per_s")),
             r.get("parity_status") or "",
         ])
+    return _render(header, lines)
+
+
+def projected_table(df) -> str:
+    """A projected run: what fits, the peak's breakdown, and what one step sends (no time, no parity)."""
+    header = ["point (projected)", "status", "peak/rank", "params", "grads", "optimizer", "activations",
+              "temporaries", "sent/step"]
+    lines = []
+    for r in df.to_dict("records"):
+        status = r["status"] if r["status"] in ("ok", "oom") else f"{r['status']}: {str(r.get('status_detail'))[:40]}"
+        sent = sum(r.get(c) or 0 for c in r if c.startswith("comm_") and c.endswith("_bytes"))
+        lines.append([r["point_id"], status, *(human_bytes(r.get(c)) for c in (
+            "peak_bytes", "params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes",
+            "temporaries_bytes")), human_bytes(sent) if r["status"] in ("ok", "oom") else "–"])
+    return _render(header, lines)
+
+
+def _render(header: list[str], lines: list[list]) -> str:
     widths = [max(len(str(x)) for x in col) for col in zip(header, *lines, strict=True)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     out = [fmt.format(*header), fmt.format(*("-" * w for w in widths))]

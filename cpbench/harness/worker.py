@@ -27,11 +27,10 @@ import torch.distributed as dist
 
 from cpbench.report.units import parse_bytes
 
-from . import parity
+from . import parity, step
 from .capture import capture
-from .presets import get_preset
 from .probes import StepTimer, memory_probe, reset_rss_peak, rss_peak_bytes
-from .spec import NO_STYLE, Point
+from .spec import Point
 
 
 def rank_env() -> tuple[int, int, int]:
@@ -50,47 +49,6 @@ def write_json(path: Path, data) -> None:
     os.replace(tmp, path)
 
 
-def make_batch(point: Point, vocab_size: int, device) -> dict:
-    g = torch.Generator().manual_seed(point.seed + 1)
-    ids = torch.randint(0, vocab_size, (point.batch_size, point.seq_len), generator=g)
-    batch = {"input_ids": ids, "labels": ids.clone()}
-    if point.batch_kind == "packed":  # four documents per row; positions restart at each
-        doc = -(-point.seq_len // 4)
-        batch["position_ids"] = (torch.arange(point.seq_len) % doc).expand(point.batch_size, -1).clone()
-    elif point.batch_kind == "padded":  # every other row right-padded by a quarter
-        mask = torch.ones_like(ids)
-        mask[::2, point.seq_len - point.seq_len // 4 :] = 0
-        batch["attention_mask"] = mask
-        batch["labels"] = ids.masked_fill(mask == 0, -100)
-    return {k: v.to(device) for k, v in batch.items()}
-
-
-def build_model(point: Point, device) -> torch.nn.Module:
-    """The point's model with seeded random weights: identical on every rank and in the reference."""
-    from transformers import AutoModelForCausalLM
-
-    config = get_preset(point.preset).config(point.model_overrides)
-    torch.manual_seed(point.seed)
-    if torch.device(device).type == "cuda":
-        torch.cuda.manual_seed(point.seed)
-    with torch.device(device):  # initialised where it runs: no host copy of a large model
-        return AutoModelForCausalLM.from_config(
-            config, dtype=parity.DTYPES[point.dtype], attn_implementation=point.attn_implementation
-        )
-
-
-def distribute(model: torch.nn.Module, point: Point) -> torch.nn.Module:
-    if point.world_size == 1:
-        return model
-    import cpbench
-
-    plan = {"model.layers.*.self_attn": point.cp_style} if point.cp_style != NO_STYLE else None
-    config = cpbench.DistributedConfig(
-        cp_size=point.cp_size, fsdp_size=point.fsdp_size, dp_replicate_size=point.dp_replicate_size, cp_plan=plan
-    )
-    return cpbench.parallelize(model, config)
-
-
 def _inject(point: Point, rank: int) -> None:
     """Test-only faults (see `Suite.faults`): the last rank crashes or hangs, its peers block in a collective."""
     if point.fault and rank == point.world_size - 1:
@@ -103,36 +61,34 @@ def _inject(point: Point, rank: int) -> None:
 def run_point(point: Point, *, rank: int, device, budget: int | None, cache_dir: Path) -> dict:
     reset_rss_peak()
     t_start = time.perf_counter()
-    model = distribute(build_model(point, device), point)
+    model = step.distribute(step.build_model(point, device), point)
     num_params = sum(p.numel() for p in build_model_meta(point).parameters())
     mode = parity.resolve_mode(point.parity_mode, num_params)
-    batch = make_batch(point, model.config.vocab_size, device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    batch = step.make_batch(point, model.config.vocab_size, device)
+    optimizer = step.make_optimizer(model, point)
     probe = memory_probe(point.device, model, optimizer, budget)
     _inject(point, rank)
 
-    with probe.segment():  # step 0: the parity step (first, unchanged weights)
-        out = forward(model, batch)
-        out.loss.backward()
+    # Step 0, the parity step (the first, on unchanged weights), is not tracked: the capture keeps its outputs
+    # and gathers full gradients, which a training step never holds. Its optimizer step creates the state.
+    out = step.forward(model, batch)
+    out.loss.backward()
     ours, capture_error = None, None
     if mode != "off":
         ours, capture_error = capture(model, out, batch, point, mode, rank)
     del out
     if capture_error is not None and device.type == "cuda":
         torch.cuda.empty_cache()  # what the failed capture held
-    with probe.segment():  # step 0's optimizer step, which creates the optimizer state
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    for _ in range(point.warmup_steps):  # identical steps: the smallest of their peaks counts (see probes.py)
-        with probe.segment(repeat="step"):
-            _train_step(model, optimizer, batch)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    comm = step.tracked_steps(point, model, optimizer, batch, probe)  # memory: identical steps (probes.py)
     timer = StepTimer(point.device)
     for _ in range(point.measured_steps):
         if point.world_size > 1:
             dist.barrier()  # the step times of the ranks start together
         with timer.step():
-            _train_step(model, optimizer, batch)
-    record = {"rank": rank, "status": "ok", **probe.result(), "rss_peak_bytes": rss_peak_bytes(),
+            step.train_step(model, optimizer, batch, point.keep_outputs)
+    record = {"rank": rank, "status": "ok", **probe.result(), **comm, "rss_peak_bytes": rss_peak_bytes(),
               "step_times_s": timer.times_s, "num_params": num_params, "model_type": model.config.model_type,
               "parity_mode": mode, "layout": getattr(getattr(model, "cp_resolved_plan", None), "layout", None),
               "run_s": time.perf_counter() - t_start}
@@ -146,22 +102,7 @@ def run_point(point: Point, *, rank: int, device, budget: int | None, cache_dir:
 
 
 def build_model_meta(point: Point) -> torch.nn.Module:
-    return build_model(point, "meta")
-
-
-def forward(model, batch: dict):
-    """A training forward. No KV cache: CP refuses one, and with a cache transformers skips the packed-sequence
-    mask (position_ids restarting), so every point and the reference run the same computation."""
-    return model(**batch, use_cache=False)
-
-
-def _train_step(model, optimizer, batch) -> None:
-    """One step as a training loop writes it: the outputs (logits included) live through backward and the
-    optimizer step, as `out = model(**batch); out.loss.backward(); optimizer.step()` keeps them."""
-    out = forward(model, batch)
-    out.loss.backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    return step.build_model(point, "meta")
 
 
 def _parity(point: Point, ours: dict | None, capture_error: str | None, mode: str, device, cache_dir: Path) -> dict:
@@ -189,9 +130,9 @@ def _parity(point: Point, ours: dict | None, capture_error: str | None, mode: st
 
 
 def _reference(point: Point, mode: str, device) -> dict:
-    model = build_model(point, device)
-    batch = make_batch(point, model.config.vocab_size, device)
-    out = forward(model, batch)
+    model = step.build_model(point, device)
+    batch = step.make_batch(point, model.config.vocab_size, device)
+    out = step.forward(model, batch)
     out.loss.backward()
     grads = ((n, p.grad) for n, p in model.named_parameters())
     return parity.summarize(out.loss, out.logits, grads, mode, point.seed, batch.get("attention_mask"))

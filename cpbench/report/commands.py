@@ -36,6 +36,8 @@ def register(subparsers) -> None:
     gate.add_argument("--rules", help="rules TOML (default: gate-rules.toml beside the baseline)")
     gate.add_argument("--allow-hardware-mismatch", action="store_true", help="compare runs of different hardware_id")
     gate.add_argument("--allow-schema-mismatch", action="store_true", help="compare runs of different schema versions")
+    gate.add_argument("--allow-measurement-mismatch", action="store_true",
+                      help="compare a projected run with a measured one (or the other way)")
     gate.add_argument("--update-baseline", action="store_true",
                       help="write RUN as the new baseline (after showing its gate result against the old one)")
     gate.set_defaults(func=run_gate)
@@ -103,7 +105,8 @@ def run_gate(args: argparse.Namespace) -> int:
         baseline = load_run(baseline_path, allow_schema_mismatch=allow_schema, what="baseline")
         rules = load_rules(args.rules or baseline_path.with_name("gate-rules.toml"))
         same_hardware = check_comparable(baseline, run, allow_hardware_mismatch=args.allow_hardware_mismatch,
-                                         allow_schema_mismatch=allow_schema)
+                                         allow_schema_mismatch=allow_schema,
+                                         allow_measurement_mismatch=args.allow_measurement_mismatch)
         if not same_hardware:
             cuda = bool((run["device"] == "cuda").any() or (baseline["device"] == "cuda").any())
             gated, listed = ("status and parity", "time and memory") if cuda else ("status, parity and memory", "time")

@@ -18,7 +18,7 @@ METRICS = {  # column -> (heading, renderer)
     "tokens_per_s": ("tokens/s", units.sig),
     "grad_max_rel_err": ("grad max rel err", lambda v: units.sig(v, 2)),
 }
-LABELS = ("status", "parity_status")
+LABELS = ("measurement", "status", "parity_status")
 
 
 def compare(a: pd.DataFrame, b: pd.DataFrame) -> pd.DataFrame:
@@ -58,12 +58,13 @@ def table(comparison: pd.DataFrame) -> pd.DataFrame:
     both = comparison[comparison["where"] == "both"]
     rows = []
     for _, row in both.iterrows():
-        cells = {"point": row["point_id"], "status": _label(row["status_a"], row["status_b"]),
+        cells = {"point": row["point_id"], "measurement": _label(row["measurement_a"], row["measurement_b"]),
+                 "status": _label(row["status_a"], row["status_b"]),
                  "parity": _label(row["parity_status_a"], row["parity_status_b"])}
         for column, (heading, render) in METRICS.items():
             cells[heading] = _cell(row[f"{column}_a"], row[f"{column}_b"], render)
         rows.append(cells)
-    return pd.DataFrame(rows, columns=["point", "status", "parity"] + [h for h, _ in METRICS.values()])
+    return pd.DataFrame(rows, columns=["point", "measurement", "status", "parity"] + [h for h, _ in METRICS.values()])
 
 
 def render(comparison: pd.DataFrame, label_a: str, label_b: str) -> str:

@@ -78,3 +78,12 @@ def largest_fit(frame: pd.DataFrame) -> pd.DataFrame:
                      "first_failed_seq_len": int(failed.min()) if len(failed) else None})
     result = pd.DataFrame(rows, columns=["config", "largest_ok_seq_len", "first_failed_seq_len"])
     return result.astype({"largest_ok_seq_len": "Int64", "first_failed_seq_len": "Int64"})
+
+
+def measurement_note(frame: pd.DataFrame) -> str:
+    """What a title must say about its numbers: "" for a measured run, " (projected)" when every row is a
+    projection (`cpbench estimate`), " (measured and projected)" for a mix."""
+    kinds = set(frame["measurement"].dropna()) if "measurement" in frame else set()
+    if "projected" not in kinds:
+        return ""
+    return " (projected)" if kinds == {"projected"} else " (measured and projected)"

@@ -51,12 +51,17 @@ class GateResult:
 
 
 def check_comparable(baseline: pd.DataFrame, run: pd.DataFrame, *, allow_hardware_mismatch: bool = False,
-                     allow_schema_mismatch: bool = False) -> bool:
+                     allow_schema_mismatch: bool = False, allow_measurement_mismatch: bool = False) -> bool:
     """Raises GateRefusal unless the runs can be compared; returns whether they ran on the same hardware."""
     base_v, run_v = schema_versions(baseline), schema_versions(run)
     if base_v != run_v and not allow_schema_mismatch:
         raise GateRefusal(f"schema_version: baseline {base_v}, run {run_v}; refresh the baseline with "
                           f"--update-baseline (after checking the run), or pass --allow-schema-mismatch")
+    base_m, run_m = _values(baseline, "measurement"), _values(run, "measurement")
+    if base_m != run_m and not allow_measurement_mismatch:
+        raise GateRefusal(f"measurement: baseline {base_m}, run {run_m}; a projection has no time and no parity, so "
+                          f"gate projections against a projected baseline, or pass --allow-measurement-mismatch to "
+                          f"gate what both have (status and memory; a measured parity is then reported as lost)")
     base_hw, run_hw = _values(baseline, "hardware_id"), _values(run, "hardware_id")
     if base_hw != run_hw and not allow_hardware_mismatch:
         raise GateRefusal(f"hardware_id: baseline {base_hw}, run {run_hw}; time (and CUDA memory) is only comparable "

@@ -11,7 +11,7 @@ from pathlib import Path
 import pandas as pd
 
 from . import plots, tables, units
-from .derive import largest_fit, ratios_vs_cp1
+from .derive import largest_fit, measurement_note, ratios_vs_cp1
 from .load import run_label
 
 CSS = """body{font-family:system-ui,sans-serif;margin:2em;max-width:1400px}
@@ -56,9 +56,11 @@ def _sections(frame: pd.DataFrame) -> list[tuple[str, pd.DataFrame, str | None]]
     """(title, table, index name) in page order."""
     fits = largest_fit(frame).astype(object).where(lambda f: f.notna(), "–").rename(columns={
         "config": "configuration", "largest_ok_seq_len": "largest ok seq len", "first_failed_seq_len": "first failure at"})
+    note = measurement_note(frame)
     return [
-        ("Comparison (peak memory per rank, max over ranks; median step time; parity)", tables.comparison(frame), "seq len"),
-        ("Largest sequence length that fits", fits, None),
+        ("Comparison (peak memory per rank, max over ranks; median step time; parity)" + note,
+         tables.comparison(frame), "seq len"),
+        ("Largest sequence length that fits" + note, fits, None),
         ("Against cp=1 (ideal activations ratio: 1/cp)", ratio_table(frame), None),
         ("Points", tables.points(frame), None),
         ("Environment", environment(frame), "field"),
@@ -69,7 +71,7 @@ def write_report(frame: pd.DataFrame, out_dir: str | Path, capacity: float | Non
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     images = plots.save_all(frame, out_dir / "plots", capacity)
-    title = f"cpbench report: {run_label(frame)}"
+    title = f"cpbench report: {run_label(frame)}{measurement_note(frame)}"
     sections = _sections(frame)
     table = out_dir / "table.md"
     table.write_text(tables.to_markdown(sections[0][1], "seq len") + "\n")

@@ -13,11 +13,12 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
-from .derive import largest_fit, ordered_configs, ratios_vs_cp1, with_config
+from .derive import largest_fit, measurement_note, ordered_configs, ratios_vs_cp1, with_config
 from .units import GIB
 
 BREAKDOWN = (("params_bytes", "parameters"), ("grads_bytes", "gradients"),
-             ("optimizer_bytes", "optimizer state"), ("activations_bytes", "activations"))
+             ("optimizer_bytes", "optimizer state"), ("activations_bytes", "activations"),
+             ("temporaries_bytes", "temporaries"))
 PARITY = (("loss_rel_err", "loss_rtol", "loss"), ("logits_max_err", "logits_atol", "logits"),
           ("grad_max_rel_err", "grad_rtol", "gradients"))
 FLOOR = 1e-6  # an error of exactly 0 is drawn here on the log axis (and said so in the legend)
@@ -67,7 +68,7 @@ def memory_figure(frame: pd.DataFrame, capacity: float | None = None) -> Figure:
         ax.axhline(line[0] / GIB, color="red", linestyle="--", label=line[1])
     _seq_axis(ax)
     ax.set_ylabel("peak memory per rank (GiB)")
-    ax.set_title("Peak memory per rank (line: max over ranks, dots: each rank)")
+    ax.set_title("Peak memory per rank (line: max over ranks, dots: each rank)" + measurement_note(frame))
     ax.legend(fontsize="small")
     return fig
 
@@ -83,9 +84,10 @@ def time_figure(frame: pd.DataFrame) -> Figure:
     """Median step time (p10–p90 bars) and tokens/s vs sequence length."""
     fig = Figure(figsize=(12, 5), layout="constrained")
     step_ax, tps_ax = fig.subplots(1, 2)
-    ok = _ok(frame)
+    ok = _ok(frame).dropna(subset=["step_time_median_s"])
     if ok.empty:
-        _empty(step_ax, "no point finished ok")
+        _empty(step_ax, "no timed point (a projection has no time)" if measurement_note(frame) else
+               "no point finished ok")
         _empty(tps_ax, "")
         return fig
     for config in ordered_configs(ok):
@@ -145,7 +147,7 @@ def breakdown_figure(frame: pd.DataFrame) -> Figure:
         bottom += values
     ax.set_xticks(x, [f"{c}\n{s}" for c, s in zip(ok["config"], ok["seq_len"])], rotation=90, fontsize="small")
     ax.set_ylabel("GiB (rank with the highest peak)")
-    ax.set_title("Memory breakdown at the peak")
+    ax.set_title("Memory breakdown at the peak" + measurement_note(frame))
     ax.legend(fontsize="small")
     return fig
 
@@ -190,6 +192,7 @@ def fit_figure(frame: pd.DataFrame) -> Figure:
         ax.text(0, i, " " + note, va="center", fontsize="small")
     ax.set_yticks(y, fits["config"])
     ax.set_xlabel("largest sequence length that fits (tokens)")
+    ax.set_title("Largest sequence length that fits" + measurement_note(frame))
     return fig
 
 

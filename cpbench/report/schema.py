@@ -12,7 +12,11 @@ import pyarrow as pa
 
 # 2: `peak_bytes` (and its breakdown) covers the parity step and the smallest peak of the identical warmup
 #    steps, each step keeping its outputs through the optimizer step; version 1 took the largest of all.
-SCHEMA_VERSION = 2
+# 3: a row is `measured` or `projected` (`measurement`); the step keeps only the loss through backward unless
+#    `keep_outputs`; the parity step is no longer tracked; `temporaries_bytes` and the collectives of one step
+#    (`comm_*`) are new.
+SCHEMA_VERSION = 3
+MEASUREMENTS = ("measured", "projected")
 
 STATUSES = ("ok", "oom", "error", "timeout", "skipped")
 PARITY_STATUSES = ("pass", "fail", "reference_oom", "error", "skipped")
@@ -44,9 +48,13 @@ COLUMNS: dict[str, tuple[pa.DataType, str]] = {
     "device": (pa.string(), "cpu | cuda"),
     "warmup_steps": (pa.int64(), "steps run before timing"),
     "measured_steps": (pa.int64(), "steps timed"),
+    "keep_outputs": (pa.bool_(), "the step keeps the whole output (logits) through backward; false: only the loss, "
+                     "as transformers' Trainer"),
     "parity_mode": (pa.string(), "full | projected | off"),
     "spec_json": (pa.string(), "the full point spec as JSON"),
     # outcome
+    "measurement": (pa.string(), "measured (a real run) | projected (`cpbench estimate`: the same step on fake "
+                    "tensors and a fake process group; no time, no parity)"),
     "status": (pa.string(), "ok | oom | error | timeout | skipped"),
     "status_detail": (pa.string(), "the error message, why the point was skipped, or notes on an ok point (e.g. why NVML is null)"),
     "wall_s": (pa.float64(), "wall time of the whole point, launch included"),
@@ -64,8 +72,23 @@ COLUMNS: dict[str, tuple[pa.DataType, str]] = {
     "params_bytes": (pa.int64(), "parameters held by the rank with the highest peak"),
     "grads_bytes": (pa.int64(), "gradients held by that rank"),
     "optimizer_bytes": (pa.int64(), "optimizer state held by that rank"),
-    "activations_bytes": (pa.int64(), "the rest of that rank's peak: activations and temporaries"),
-    "memory_budget_bytes": (pa.int64(), "the --memory-budget the point ran under (null: none)"),
+    "activations_bytes": (pa.int64(), "the rest of that rank's peak: tensors made in forward (and, on CUDA, "
+                          "everything else)"),
+    "temporaries_bytes": (pa.int64(), "tensors made in backward that are not gradients, at that rank's peak "
+                          "(null on CUDA, where only at-rest sizes are known)"),
+    "memory_budget_bytes": (pa.int64(), "the capacity a point is judged against (--memory-budget, --device-memory "
+                            "or the suite's memory_budget; null: none)"),
+    # collectives of one tracked step, max over ranks (collectives.py)
+    "comm_all_gather_count": (pa.int64(), "all-gathers one rank posts in one step"),
+    "comm_all_gather_bytes": (pa.int64(), "bytes one rank contributes to them (its shards)"),
+    "comm_reduce_scatter_count": (pa.int64(), "reduce-scatters one rank posts in one step"),
+    "comm_reduce_scatter_bytes": (pa.int64(), "bytes one rank hands to them (its full inputs)"),
+    "comm_all_to_all_count": (pa.int64(), "all-to-alls one rank posts in one step"),
+    "comm_all_to_all_bytes": (pa.int64(), "bytes one rank hands to them"),
+    "comm_p2p_count": (pa.int64(), "point-to-point sends and receives one rank posts in one step"),
+    "comm_p2p_bytes": (pa.int64(), "bytes one rank sends"),
+    "comm_all_reduce_count": (pa.int64(), "all-reduces one rank posts in one step"),
+    "comm_all_reduce_bytes": (pa.int64(), "bytes one rank hands to them"),
     # time (slowest rank per step)
     "step_times_s": (_LIST_F64, "every measured step's time, max over ranks per step"),
     "step_time_median_s": (pa.float64(), "median of step_times_s"),
@@ -111,7 +134,7 @@ ARROW_SCHEMA = pa.schema(
 # The fields of a point's spec that identify it across runs (a baseline and a new run match on these).
 KEY_COLUMNS = (
     "model", "seq_len", "batch_size", "batch_kind", "cp_size", "fsdp_size", "dp_replicate_size",
-    "attn_implementation", "cp_style", "dtype", "device",
+    "attn_implementation", "cp_style", "dtype", "device", "keep_outputs",
 )
 
 

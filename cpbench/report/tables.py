@@ -21,8 +21,15 @@ PARITY_TEXT = {"pass": "parity ✓", "fail": "parity ✗ FAIL", "reference_oom":
 
 
 def cell(row: pd.Series) -> str:
-    """One point as the table shows it."""
+    """One point as the table shows it. A projected point says so: its peak is a projection, and it has no time
+    and no parity (`cpbench estimate`)."""
     status = row["status"]
+    if row.get("measurement") == "projected":
+        if status == "ok":
+            return f"{units.gib(row['peak_bytes'])} projected"
+        if status == "oom" and pd.notna(row["peak_bytes"]):
+            return f"out of memory ({units.gib(row['peak_bytes'])} projected)"
+        return STATUS_TEXT.get(status, str(status))
     if status != "ok":
         return STATUS_TEXT.get(status, str(status))
     text = f"{units.gib(row['peak_bytes'])}, {units.ms(row['step_time_median_s'])}"
@@ -54,10 +61,11 @@ def _point_row(row: pd.Series) -> dict:
     ranks = ", ".join(units.sig(b / units.GIB) for b in per_rank) if _has(per_rank) else "–"
     return {
         "point": row["point_id"],
-        "status": row["status"],
+        "status": row["status"] + (" (projected)" if row.get("measurement") == "projected" else ""),
         "peak (max over ranks)": units.gib(row["peak_bytes"]),
         "peak per rank (GiB)": ranks,
         "activations": units.gib(row["activations_bytes"]),
+        "temporaries": units.gib(row.get("temporaries_bytes")),
         "step median": units.ms(row["step_time_median_s"]),
         "step p10–p90": _spread(row),
         "tokens/s": units.sig(row["tokens_per_s"]),

@@ -80,7 +80,8 @@ def test_ok_points_have_plausible_memory_time_and_parity(run):
         assert r["parity_status"] == "pass", (pid, r["parity_detail"])
         assert r["loss_rel_err"] <= r["loss_rtol"] and r["grad_max_rel_err"] <= r["grad_rtol"]
         assert len(r["peak_bytes_per_rank"]) == r["world_size"] and r["peak_bytes"] == max(r["peak_bytes_per_rank"])
-        parts = r["params_bytes"] + r["grads_bytes"] + r["optimizer_bytes"] + r["activations_bytes"]
+        parts = (r["params_bytes"] + r["grads_bytes"] + r["optimizer_bytes"] + r["activations_bytes"]
+                 + r["temporaries_bytes"])
         assert parts == r["peak_bytes"] and r["activations_bytes"] > 0
         assert r["rss_peak_bytes"] > r["peak_bytes"]
         assert len(r["step_times_s"]) == 2 and r["step_time_p10_s"] <= r["step_time_median_s"] <= r["step_time_p90_s"]
