@@ -19,7 +19,7 @@ import socket
 import torch
 import torch.distributed as dist
 
-from cpbench.harness import worker
+from cpbench.harness import step, worker
 from cpbench.harness.spec import Point
 
 EXTRA = ("peak_bytes", "activations_bytes", "params_bytes", "grads_bytes", "optimizer_bytes", "rss_peak_bytes")
@@ -36,16 +36,16 @@ def _session(point: Point, rank: int, port: int, cache_dir: str) -> tuple[dict, 
     torch.set_num_threads(1)  # one core per rank, as in `cpbench sweep` (a rank stands for one device)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=point.world_size)
     record = worker.run_point(point, rank=rank, device=torch.device("cpu"), budget=None, cache_dir=cache_dir)
-    model = worker.distribute(worker.build_model(point, "cpu"), point)
-    batch = worker.make_batch(point, model.config.vocab_size, "cpu")
-    return record, (model, torch.optim.AdamW(model.parameters(), lr=1e-4), batch)
+    model = step.distribute(step.build_model(point, "cpu"), point)
+    batch = step.make_batch(point, model.config.vocab_size, "cpu")
+    return record, (model, step.make_optimizer(model, point), batch, point.keep_outputs)
 
 
 def _peer(point_dict: dict, port: int, cache_dir: str) -> None:
     point = Point.from_dict(point_dict)
     _, state = _session(point, 1, port, cache_dir)
     for _ in range(point.warmup_steps + point.measured_steps):
-        worker._train_step(*state)
+        step.train_step(*state)
     dist.destroy_process_group()
 
 
@@ -62,7 +62,7 @@ def test_point(benchmark, cpbench_point: Point, tmp_path_factory):
         benchmark.extra_info.update(record["parity"])
         benchmark.extra_info["point_id"] = point.point_id
         benchmark.extra_info["spec"] = point.to_dict()
-        benchmark.pedantic(worker._train_step, args=state, rounds=point.measured_steps,
+        benchmark.pedantic(step.train_step, args=state, rounds=point.measured_steps,
                            warmup_rounds=point.warmup_steps, iterations=1)
     finally:
         dist.destroy_process_group()

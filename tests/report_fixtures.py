@@ -118,6 +118,22 @@ def _environment() -> dict:
             "git_dirty": False, "host": "ci", "cpu_count": 2, "timestamp": "2025-01-01T00:00:00Z"}
 
 
+def projected(frame: pd.DataFrame) -> pd.DataFrame:
+    """The run as `cpbench estimate` writes it: the same memory, no time, no parity."""
+    out = frame.copy()
+    out["measurement"] = "projected"
+    out["step_times_s"] = None
+    for column in ("step_time_median_s", "step_time_p10_s", "step_time_p90_s", "tokens_per_s", "loss",
+                   "ref_loss", "loss_rel_err", "logits_max_err", "grad_max_rel_err", "rss_peak_bytes"):
+        out[column] = float("nan")
+    out["rss_peak_bytes_per_rank"] = None
+    out["grad_worst_param"] = None
+    ran = out["status"].isin(["ok", "oom"])
+    out.loc[ran, "parity_status"] = "skipped"
+    out.loc[ran, "parity_detail"] = "a projection computes no values: no parity"
+    return out
+
+
 def slowed(frame: pd.DataFrame, factor: float) -> pd.DataFrame:
     """A copy whose every step-time sample (and the summaries) is `factor` times the original."""
     out = frame.copy()

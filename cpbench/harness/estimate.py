@@ -62,7 +62,8 @@ class Estimator:
             row = rows.outcome_row(point, "error", f"projection failed: {error}", wall_s, **self.ctx)
         else:
             by_rank = {r["rank"]: r for r in records}
-            ranks = [{**by_rank[r % point.cp_size], "rank": r} for r in range(point.world_size)]
+            ranks = [{**by_rank[r % point.cp_size if len(by_rank) > 1 else 0], "rank": r}
+                     for r in range(point.world_size)]
             row = rows.measured_row(point, ranks, wall_s, **self.ctx)
         return self.write(point, row)
 

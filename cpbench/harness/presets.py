@@ -34,7 +34,10 @@ _TINY = dict(
 PRESETS: dict[str, Preset] = {
     p.name: p
     for p in (
-        Preset("tiny-qwen3", "qwen3", {**_TINY, "head_dim": 16}, "cpbench: a 2-layer Qwen3 for CPU sweeps"),
+        Preset(
+            "tiny-qwen3", "qwen3", {**_TINY, "head_dim": 16, "tie_word_embeddings": True},
+            "cpbench: a 2-layer Qwen3 for CPU sweeps, its embeddings tied as the small Qwen3 models' are",
+        ),
         Preset("tiny-llama", "llama", dict(_TINY), "cpbench: a 2-layer Llama for CPU sweeps"),
         Preset(
             "tiny-mistral", "mistral", {**_TINY, "sliding_window": 64},

@@ -108,6 +108,13 @@ def project_rank(point: Point, rank: int) -> dict:
 
 
 def projected_ranks(point: Point) -> list[int]:
-    """The ranks a projection runs: those of the first cp group (ranks 0..cp-1). Ranks that differ only in their
-    fsdp or replicate index hold equal shards and run the same step on another batch: the same memory."""
+    """The cp ranks a projection runs (the others repeat one of them). Ranks that differ only in their fsdp or
+    replicate index hold equal shards and run the same step on another batch: the same memory. Within a cp
+    group, the ranks of a plain batch under Ulysses, or under zigzag ring attention, hold the same shapes and do
+    the same work at every step (zigzag's point), so rank 0 stands for all; the contiguous ring (its ranks skip
+    different tiles), packed or padded batches (their masks differ per rank) and lengths the layout pads (the last
+    rank's slice is short) project every cp rank."""
+    chunks = {"cp_ulysses": point.cp_size, "cp_ring_zigzag": 2 * point.cp_size}.get(point.cp_style)
+    if chunks and point.batch_kind == "plain" and point.seq_len % chunks == 0:
+        return [0]
     return list(range(point.cp_size))

@@ -1,0 +1,40 @@
+"""Rank functions for the projection-against-measurement tests: each rank measures every point of its world size
+through the sweep worker's `run_point` (gloo, real tensors), then projects its share of the points (fake tensors,
+fake process group), so the two cores of a CI machine share both halves."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from cpbench.harness import projection, worker
+from cpbench.harness.spec import Point
+
+KEEP = ("peak_bytes", "params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "temporaries_bytes")
+
+
+def _columns(record: dict) -> dict:
+    return {k: v for k, v in record.items() if k in KEEP or k.startswith("comm_")}
+
+
+def measure_then_project(points: list[dict], world_size: int, rank: int | None = None) -> dict:
+    """{point_id: {"measured": columns of this rank, "projected": {rank: columns} for this process's share}}."""
+    points = [Point.from_dict(p) for p in points]
+    if world_size > 1:
+        dist.init_process_group("gloo")
+        rank = dist.get_rank()
+    rank = rank or 0
+    out = {}
+    for point in points:
+        record = worker.run_point(point, rank=rank, device=torch.device("cpu"), budget=None, cache_dir=None)
+        out[point.point_id] = {"measured": _columns(record), "projected": {}}
+    if world_size > 1:
+        dist.destroy_process_group()
+    for i, point in enumerate(points):
+        for r in projection.projected_ranks(point):
+            if (i * point.cp_size + r) % world_size == rank:
+                record = _columns(projection.project_rank(point, r))
+                # a rank that stands for its cp group (projected_ranks) is compared with every measured rank
+                for stands_for in (range(point.cp_size) if projection.projected_ranks(point) == [0] else [r]):
+                    out[point.point_id]["projected"][stands_for] = record
+    return out

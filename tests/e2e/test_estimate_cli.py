@@ -1,0 +1,119 @@
+"""`cpbench estimate` as a user runs it: capacity and `oom`, `--max-seq`, the quick form, its errors, and the
+report, compare and gate commands on a projected run."""
+
+from __future__ import annotations
+
+import pytest
+
+from cpbench.cli import main
+from cpbench.report import store
+
+SUITE = """name = "est"
+model = "tiny-qwen3"
+seq_lens = [256, 512, 1024]
+cp_sizes = [1]
+attn_implementations = ["eager"]
+warmup_steps = 1
+measured_steps = 1
+parity = "off"
+"""
+
+
+def _estimate(tmp_path, *args) -> tuple[int, object]:
+    jobs = [] if "--jobs" in args else ["--jobs", "1"]
+    rc = main(["estimate", *args, "--out", str(tmp_path / "results"), *jobs])
+    runs = sorted((tmp_path / "results").glob("*/*/runs.parquet"))
+    return rc, (store.read_run(runs[-1]).set_index("point_id") if runs else None)
+
+
+@pytest.fixture(scope="module")
+def projected(tmp_path_factory):
+    """The suite projected without a capacity."""
+    tmp = tmp_path_factory.mktemp("projected")
+    (tmp / "s.toml").write_text(SUITE)
+    rc, df = _estimate(tmp, str(tmp / "s.toml"))
+    assert rc == 0 and set(df["status"]) == {"ok"} and set(df["measurement"]) == {"projected"}
+    (run,) = (tmp / "results" / "est").glob("*")
+    return {"run": run, "suite": tmp / "s.toml", "df": df}
+
+
+@pytest.fixture(scope="module")
+def peaks(projected):
+    """Every length's projected peak."""
+    return {int(r.seq_len): int(r.peak_bytes) for r in projected["df"].itertuples()}
+
+
+def test_a_capacity_between_two_lengths_makes_the_longer_oom_and_skips_the_rest(tmp_path, peaks):
+    (tmp_path / "s.toml").write_text(SUITE)
+    capacity = (peaks[256] + peaks[512]) // 2
+    rc, df = _estimate(tmp_path, str(tmp_path / "s.toml"), "--device-memory", str(capacity))
+    assert rc == 0  # oom and skipped are results
+    by_len = df.set_index("seq_len")
+    assert by_len.loc[256, "status"] == "ok" and by_len.loc[512, "status"] == "oom"
+    assert by_len.loc[512, "peak_bytes"] == peaks[512] and "memory budget" in by_len.loc[512, "status_detail"]
+    assert by_len.loc[1024, "status"] == "skipped" and "ran out of memory at seq_len=512" in by_len.loc[1024,
+                                                                                                         "status_detail"]
+    assert set(df["memory_budget_bytes"]) == {capacity} and set(df["parity_status"]) == {"skipped"}
+    assert df["step_time_median_s"].isna().all()  # a projection has no time
+
+
+def test_max_seq_finds_the_largest_length_that_fits_to_the_granularity(tmp_path, peaks):
+    (tmp_path / "s.toml").write_text(SUITE.replace("seq_lens = [256, 512, 1024]", "seq_lens = [128]"))
+    capacity = (peaks[512] + peaks[1024]) // 2
+    rc, df = _estimate(tmp_path, str(tmp_path / "s.toml"), "--device-memory", str(capacity), "--max-seq",
+                       "--granularity", "256")
+    assert rc == 0
+    ok, oom = df[df["status"] == "ok"]["seq_len"], df[df["status"] == "oom"]["seq_len"]
+    largest = int(ok.max())
+    assert 512 <= largest < 1024 and largest % 256 == 0
+    assert largest + 256 in set(oom)  # the next multiple of the granularity was tried and did not fit
+    assert (df[df["seq_len"] <= largest]["status"] == "ok").all()
+
+
+def test_the_quick_form_projects_one_model_without_a_suite(tmp_path):
+    rc, df = _estimate(tmp_path, "--model", "tiny-llama", "--seq", "128", "--cp", "2", "--device", "cpu",
+                       "--dtype", "float32", "--styles", "cp_ring_zigzag")
+    assert rc == 0 and len(df) == 1 and set(df["status"]) == {"ok"}
+    cp2 = df[df["cp_size"] == 2]
+    assert (cp2["comm_p2p_count"] > 0).all() and (cp2["comm_all_gather_count"] > 0).all()
+    assert len(cp2["peak_bytes_per_rank"].iloc[0]) == 2
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "tiny-qwen9", "--seq", "128"], "not a cpbench preset"),
+    (["--model", "tiny-qwen3", "--seq", "12k"], "--seq '12k'"),
+    (["--model", "tiny-qwen3", "--seq", "128", "--device-memory", "80XB"], "write a size like 80GiB"),
+    (["--model", "tiny-qwen3", "--seq", "128", "--max-seq"], "--max-seq needs a capacity"),
+    (["--model", "tiny-qwen3"], "--model and --seq"),
+    (["--model", "tiny-qwen3", "--seq", "128", "--device-memory", "1GiB", "--max-seq", "--granularity", "0"],
+     "--granularity 0"),
+    (["--model", "tiny-qwen3", "--seq", "128", "--jobs", "0"], "--jobs 0"),
+])
+def test_bad_arguments_exit_2_with_the_fix(tmp_path, capsys, args, message):
+    rc, _ = _estimate(tmp_path, *args)
+    assert rc == 2 and message in capsys.readouterr().err
+
+
+def test_a_suite_and_a_model_together_are_refused(tmp_path, capsys):
+    (tmp_path / "s.toml").write_text(SUITE)
+    rc, _ = _estimate(tmp_path, str(tmp_path / "s.toml"), "--model", "tiny-qwen3", "--seq", "128")
+    assert rc == 2 and "not both" in capsys.readouterr().err
+
+
+def test_report_compare_and_gate_on_a_projected_run(tmp_path, capsys, projected):
+    run, suite = projected["run"], projected["suite"]
+    assert main(["report", str(run)]) == 0
+    assert "projected" in (run / "table.md").read_text() and "(projected)" in (run / "report.md").read_text()
+    assert main(["gate", "--baseline", str(run / "runs.parquet"), str(run), "--rules",
+                 "results/baselines/gate-rules.toml"]) == 0
+    measured = tmp_path / "measured"
+    point = "tiny-qwen3/s256/cp1/eager/none"
+    assert main(["run", str(suite), "--point", point, "--out", str(measured), "--no-progress"]) == 0
+    (measured_run,) = (measured / "est").glob("*")
+    capsys.readouterr()
+    assert main(["compare", str(measured_run), str(run)]) == 0
+    line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith(f"| {point} |"))
+    assert "measured → projected" in line and "(same)" in line  # the same peak, measured and projected
+    assert main(["gate", "--baseline", str(measured_run / "runs.parquet"), str(run), "--rules",
+                 "results/baselines/gate-rules.toml"]) == 2
+    assert "measurement" in capsys.readouterr().err
