@@ -7,7 +7,8 @@ are installed: importing it does not import torch.
 from importlib import import_module
 
 __version__ = "0.1.0"
-_CP_API = ("DistributedConfig", "SequenceLayout", "gather_sequence", "parallelize", "register_attention_style")
+_CP_API = ("DistributedConfig", "SequenceLayout", "gather_sequence", "parallelize", "register_attention_style",
+           "use_loss")
 __all__ = list(_CP_API)
 
 

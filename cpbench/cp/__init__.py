@@ -1,7 +1,7 @@
 """Context parallelism for Hugging Face transformers models (see DESIGN.md, "What context parallelism is here")."""
 
 from . import hf_compat
-from .apply import parallelize
+from .apply import parallelize, use_loss
 from .config import DistributedConfig
 from .layout import SequenceLayout, gather_sequence
 from .loss import cp_causal_lm_loss
@@ -33,4 +33,5 @@ __all__ = [
     "parallelize",
     "register_attention_style",
     "resolve_plan",
+    "use_loss",
 ]

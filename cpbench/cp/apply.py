@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from . import hf_compat
 from .config import DistributedConfig
+from .chunked_loss import check_loss
 from .forward import ForwardState, refuse_generate, wrap_forward
 from .layout import SequenceLayout
 from .mesh import CPDeviceMesh, build_mesh
@@ -88,6 +89,8 @@ def apply_context_parallel(
     rank = dist.get_rank(group)
     make_layout = functools.partial(SequenceLayout, cp_size=config.cp_size, rank=rank, kind=plan.layout)
     state = ForwardState(make_layout)
+    if getattr(model, "cp_state", None) is not None:  # use_loss() before parallelize(): keep the choice
+        state.loss = model.cp_state.loss
     rotary_cuts = RotaryCuts()
     for name in plan.split_modules:
         hook = make_split_hook(name == plan.first_split, state, rotary_cuts)
@@ -98,8 +101,25 @@ def apply_context_parallel(
     model.cp_plan = model_cp_plan(model, config)
     model.cp_resolved_plan = plan
     model.cp_group = group
-    model.forward = wrap_forward(model.forward, state, group, causal_lm=_is_causal_lm(model))
+    model.forward = wrap_forward(model, state, group, causal_lm=_is_causal_lm(model))
+    model.cp_state = state
     model.generate = refuse_generate
+    return model
+
+
+def use_loss(model: torch.nn.Module, loss: str) -> torch.nn.Module:
+    """How a causal LM computes its loss from `labels`: "full" (the model's logits, `out.logits` set) or "chunked"
+    (the output projection and the loss chunk by chunk, never holding the full logits; `out.logits` is None).
+    Works on a CP model and on one without CP (then the loss is the model's own mean over valid tokens)."""
+    check_loss(loss)
+    state = getattr(model, "cp_state", None)
+    if state is None:
+        if not _is_causal_lm(model):
+            raise ValueError(f"use_loss(): `{type(model).__name__}` is not a causal LM; it has no loss to choose.")
+        state = ForwardState(functools.partial(SequenceLayout, cp_size=1, rank=0))
+        model.forward = wrap_forward(model, state, None, causal_lm=True)
+        model.cp_state = state
+    state.loss = loss
     return model
 
 

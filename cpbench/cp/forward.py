@@ -13,8 +13,9 @@ import functools
 import inspect
 
 from .batch_mask import BatchFacts
+from .chunked_loss import HeadInput
 from .layout import SequenceLayout
-from .loss import cp_causal_lm_loss
+from .loss import cp_causal_lm_loss, shift_and_cut_labels, whole_sequence_mean
 
 
 class ForwardState:
@@ -24,6 +25,7 @@ class ForwardState:
     def __init__(self, make_layout):
         self.make_layout = make_layout
         self.layout: SequenceLayout | None = None
+        self.loss = "full"  # or "chunked" (chunked_loss.py); set by `cpbench.use_loss`
 
     @contextlib.contextmanager
     def active(self, layout: SequenceLayout):
@@ -65,13 +67,16 @@ def _trim(x, layout: SequenceLayout):
     return x[:, :valid].clone() if valid < x.shape[1] else x
 
 
-def wrap_forward(forward, state: ForwardState, group, *, causal_lm: bool):
-    """`forward` of a CP model: full sequences in, this rank's slice (and the whole-sequence loss) out."""
+def wrap_forward(model, state: ForwardState, group, *, causal_lm: bool):
+    """`forward` of a CP model: full sequences in, this rank's slice (and the whole-sequence loss) out. With
+    `group` None (a model without CP, for `use_loss`) the layout is the whole sequence and nothing is reduced."""
+    forward = model.forward
     signature = inspect.signature(forward)
 
     @functools.wraps(forward)
     def cp_forward(input_ids=None, *args, labels=None, num_items_in_batch=None, **kwargs):
-        _check_kwargs(kwargs)
+        if group is not None:
+            _check_kwargs(kwargs)
         if labels is not None and not causal_lm:
             raise ValueError("labels were passed to a CP base model; use a *ForCausalLM model to get the loss.")
         return_dict = kwargs.pop("return_dict", None)
@@ -81,9 +86,14 @@ def wrap_forward(forward, state: ForwardState, group, *, causal_lm: bool):
         given = signature.bind_partial(input_ids, *args, **kwargs).arguments  # the mask may come positionally
         facts = BatchFacts(seq_len, given.get("attention_mask"), given.get("position_ids"))
         layout = state.make_layout(seq_len, facts=facts)
-        with state.active(layout):
+        head = HeadInput(model) if causal_lm and labels is not None and state.loss == "chunked" else None
+        with state.active(layout), (head.capture() if head else contextlib.nullcontext()):
             out = forward(input_ids, *args, **kwargs)
-        if causal_lm:
+        if head is not None:
+            targets = shift_and_cut_labels(labels.to(head.hidden.device), layout)
+            loss = whole_sequence_mean(head.loss_sum(targets, model.config), targets, group, num_items_in_batch)
+            fields = {"logits": None, "loss": loss}
+        elif causal_lm:
             fields = {"logits": _trim(out.logits, layout)}
             if labels is not None:
                 fields["loss"] = cp_causal_lm_loss(out.logits, labels, layout, group, num_items_in_batch)

@@ -43,10 +43,18 @@ def cp_causal_lm_loss(
         ignore_index=IGNORE_INDEX,
         reduction="sum",
     )
+    return whole_sequence_mean(local_sum, targets, group, num_items_in_batch)
+
+
+def whole_sequence_mean(local_sum: torch.Tensor, targets: torch.Tensor, group, num_items_in_batch=None):
+    """This rank's sum of token losses -> the mean over the valid tokens of the whole cp group (every rank holds
+    it). `group` None: a model without CP, nothing to reduce."""
     if num_items_in_batch is None:
         count = (targets != IGNORE_INDEX).sum()
-        dist.all_reduce(count, group=group)
+        if group is not None:
+            dist.all_reduce(count, group=group)
         denominator = count.clamp(min=1).to(local_sum.dtype)
     else:
         denominator = torch.as_tensor(num_items_in_batch, dtype=local_sum.dtype, device=local_sum.device)
-    return all_reduce_sum(local_sum / denominator, group)
+    mean = local_sum / denominator
+    return all_reduce_sum(mean, group) if group is not None else mean

@@ -58,18 +58,19 @@ class RingMasks:
     def tile(self, q_start: int, k_start: int, length: int) -> TileMask:
         if q_start >= self.seq_len or k_start >= self.seq_len:
             return TileMask(SKIP)  # an all-padding query chunk has no output to keep; padding keys are never seen
-        if self.dense is not None:
+        if self.dense is not None:  # a caller's mask: read from the tensor (host syncs, as the mask is data)
             allowed = _dense_tile(self.dense, q_start, k_start, length, self.seq_len)
-            return self._with_uniform_rows(allowed, q_start, k_start, length)
+            rows = None if self.uniform_rows is None else self.uniform_rows[..., q_start : q_start + length]
+            if rows is None or not bool(rows.any()):
+                return _classify(allowed)
+            return self._with_uniform_rows(allowed, rows, k_start, length)
         if any(_overlaps(runs, q_start, q_start + length) for runs in self.blocked):
-            return self._with_uniform_rows(self._allowed(q_start, k_start, length), q_start, k_start, length)
+            rows = self.uniform_rows[..., q_start : q_start + length]
+            return self._with_uniform_rows(self._allowed(q_start, k_start, length), rows, k_start, length)
         kind = self._kind(q_start, k_start, length)
         return TileMask(DENSE, self._allowed(q_start, k_start, length)) if kind == DENSE else TileMask(kind)
 
-    def _with_uniform_rows(self, allowed: torch.Tensor, q0: int, k0: int, n: int) -> TileMask:
-        rows = None if self.uniform_rows is None else self.uniform_rows[..., q0 : q0 + n]
-        if rows is None or (self.dense is not None and not bool(rows.any())):
-            return _classify(allowed) if self.dense is not None else TileMask(DENSE, allowed)
+    def _with_uniform_rows(self, allowed: torch.Tensor, rows: torch.Tensor, k0: int, n: int) -> TileMask:
         rows = torch.cat([rows, rows.new_zeros(*rows.shape[:2], n - rows.shape[-1])], -1)  # layout padding rows
         keys = torch.arange(k0, k0 + n, device=allowed.device) < self.seq_len
         return TileMask(DENSE, allowed | (rows[..., :, None] & keys), uniform=rows)

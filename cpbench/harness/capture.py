@@ -26,6 +26,8 @@ def _parity_logits(model, out, batch, point, mode):
     Projected mode gathers only `parity.logit_positions` (each rank contributes the ones it holds, zeros
     elsewhere, summed exactly), so nothing [B, S, V]-sized is built; full mode (small models) gathers the
     whole sequence."""
+    if out.logits is None:  # loss = "chunked": no logits exist to compare (the loss and gradients are compared)
+        return None, None
     logits, valid = out.logits.detach(), batch.get("attention_mask")
     if point.cp_size == 1:
         return parity.select_positions(logits, valid, mode, point.seed)

@@ -24,6 +24,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("cpu", "cuda")
 BATCH_KINDS = ("plain", "packed", "padded")
 PARITY_MODES = ("auto", "full", "projected", "off")
+LOSSES = ("full", "chunked")  # cpbench.cp.chunked_loss.LOSSES
 FAULTS = ("crash", "hang")  # injected by cpbench's own tests only (see `Suite.faults`)
 NO_STYLE = "none"
 
@@ -42,6 +43,7 @@ def validate(suite: Suite, *, allow_faults: bool = False) -> None:
     _check_choice("dtype", suite.dtype, DTYPES)
     _check_choice("batch_kind", suite.batch_kind, BATCH_KINDS)
     _check_choice("parity", suite.parity, PARITY_MODES)
+    _check_choice("loss", suite.loss, LOSSES)
     for name in ("batch_size", "measured_steps", "fsdp_size", "dp_replicate_size", "seed"):
         minimum = 0 if name == "seed" else 1
         if getattr(suite, name) < minimum:
@@ -81,6 +83,8 @@ _SCALARS = {  # field -> (check, what to write)
     "warmup_steps": (_is_int, "an integer, e.g. warmup_steps = 1"),
     "measured_steps": (_is_int, "an integer, e.g. measured_steps = 6"),
     "keep_outputs": (lambda v: isinstance(v, bool), "true or false"),
+    "loss": (lambda v: isinstance(v, str), 'a string, e.g. loss = "chunked"'),
+    "activation_checkpointing": (lambda v: isinstance(v, bool), "true or false"),
     "parity": (lambda v: isinstance(v, str), 'a string, e.g. parity = "auto"'),
     "timeout_s": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number of seconds"),
     "seed": (_is_int, "an integer, e.g. seed = 0"),

@@ -97,7 +97,7 @@ def project_rank(point: Point, rank: int) -> dict:
             batch = known(mode, batch)
             optimizer = step.make_optimizer(model, point)
             probe = memory_probe("cpu", model, optimizer, None)
-            step.first_step(model, optimizer, batch)
+            step.train_step(model, optimizer, batch)  # step 0: creates the optimizer state, untracked
             comm = step.tracked_steps(point, model, optimizer, batch, probe, steps=1)  # fake steps are identical
             record = {"rank": rank, "status": "ok", **probe.result(), **comm, "rss_peak_bytes": None,
                       "step_times_s": [], "num_params": num_params, "model_type": model.config.model_type,

@@ -41,6 +41,8 @@ class Suite:
     warmup_steps: int = 3  # tracked for memory: the smallest peak of identical steps counts (probes.py)
     measured_steps: int = 3
     keep_outputs: bool = False  # True: the step keeps the whole output (logits) through backward (step.py)
+    loss: str = "full"  # "chunked": the output projection and the loss chunk by chunk (cpbench.use_loss)
+    activation_checkpointing: bool = False  # recompute every decoder layer in backward (transformers' own)
     parity: str = "auto"
     timeout_s: float = 300.0
     seed: int = 0
@@ -75,6 +77,8 @@ class Point:
     warmup_steps: int
     measured_steps: int
     keep_outputs: bool
+    loss_mode: str
+    activation_checkpointing: bool
     parity_mode: str
     timeout_s: float
     seed: int
@@ -91,6 +95,10 @@ class Point:
             parts.append(f"b{self.batch_size}{self.batch_kind}")
         if self.keep_outputs:
             parts.append("keep-outputs")
+        if self.loss_mode != "full":
+            parts.append(f"{self.loss_mode}-loss")
+        if self.activation_checkpointing:
+            parts.append("recompute")
         return "/".join(parts) + (f"/{self.dtype}" if self.dtype != "float32" else "")
 
     @property
@@ -163,7 +171,8 @@ def _point(suite: Suite, model: str, cp: int, attn: str, style: str, seq_len: in
         seq_len=seq_len, batch_size=suite.batch_size, batch_kind=suite.batch_kind, cp_size=cp, fsdp_size=fsdp,
         dp_replicate_size=suite.dp_replicate_size, world_size=world, attn_implementation=attn, cp_style=style,
         dtype=suite.dtype, device=suite.device, warmup_steps=suite.warmup_steps,
-        measured_steps=suite.measured_steps, keep_outputs=suite.keep_outputs, parity_mode=suite.parity, timeout_s=float(suite.timeout_s),
+        measured_steps=suite.measured_steps, keep_outputs=suite.keep_outputs, loss_mode=suite.loss,
+        activation_checkpointing=suite.activation_checkpointing, parity_mode=suite.parity, timeout_s=float(suite.timeout_s),
         seed=suite.seed,
     )
     fault = next((f for pat, f in suite.faults.items() if fnmatch.fnmatchcase(p.point_id, pat)), None)

@@ -46,16 +46,25 @@ def build_model(point: Point, device) -> torch.nn.Module:
     if torch.device(device).type == "cuda":
         torch.cuda.manual_seed(point.seed)
     with torch.device(device):  # initialised where it runs: no host copy of a large model
-        return AutoModelForCausalLM.from_config(
+        model = AutoModelForCausalLM.from_config(
             config, dtype=parity.DTYPES[point.dtype], attn_implementation=point.attn_implementation
         )
+    if point.activation_checkpointing:
+        model.activation_checkpointing_enable()
+    return model
 
 
 def distribute(model: torch.nn.Module, point: Point, mesh=None, kernel_device: str | None = None) -> torch.nn.Module:
-    """FSDP2 over fsdp x cp and the point's CP style. `mesh`: one built beforehand (a projection builds it
-    outside its fake-tensor mode); `kernel_device`: whose attention kernels CP picks (see DistributedConfig)."""
-    if point.world_size == 1:
-        return model
+    """FSDP2 over fsdp x cp, the point's CP style and its loss. `mesh`: one built beforehand (a projection builds
+    it outside its fake-tensor mode); `kernel_device`: whose attention kernels CP picks (see DistributedConfig)."""
+    import cpbench
+
+    if point.world_size > 1:
+        model = _parallelize(model, point, mesh, kernel_device)
+    return cpbench.use_loss(model, point.loss_mode) if point.loss_mode != "full" else model
+
+
+def _parallelize(model, point: Point, mesh, kernel_device):
     import cpbench
 
     plan = {"model.layers.*.self_attn": point.cp_style} if point.cp_style != NO_STYLE else None
@@ -88,13 +97,6 @@ def train_step(model, optimizer, batch, keep_outputs: bool = False) -> None:
         out.loss.backward()
     else:
         forward(model, batch).loss.backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-
-
-def first_step(model, optimizer, batch) -> None:
-    """Step 0 without a parity capture (a projection's): it creates the optimizer state, untracked."""
-    forward(model, batch).loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 

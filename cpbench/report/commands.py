@@ -33,7 +33,8 @@ def register(subparsers) -> None:
     gate = subparsers.add_parser("gate", help="fail (exit 1) when a run regresses against a baseline")
     gate.add_argument("run")
     gate.add_argument("--baseline", required=True, help="baseline Parquet, e.g. results/baselines/smoke.parquet")
-    gate.add_argument("--rules", help="rules TOML (default: gate-rules.toml beside the baseline)")
+    gate.add_argument("--rules", help="rules TOML (default: gate-rules.toml beside the baseline, else the rules "
+                                      "shipped with cpbench)")
     gate.add_argument("--allow-hardware-mismatch", action="store_true", help="compare runs of different hardware_id")
     gate.add_argument("--allow-schema-mismatch", action="store_true", help="compare runs of different schema versions")
     gate.add_argument("--allow-measurement-mismatch", action="store_true",
@@ -90,7 +91,7 @@ def run_compare(args: argparse.Namespace) -> int:
 
 def run_gate(args: argparse.Namespace) -> int:
     from .gate import GateRefusal, check_comparable, gate, render, rules_across_hardware
-    from .gate_rules import load_rules
+    from .gate_rules import load_rules, rules_path
     from .load import load_run, parquet_path, run_label
 
     baseline_path = Path(args.baseline)
@@ -103,7 +104,9 @@ def run_gate(args: argparse.Namespace) -> int:
             return _fail(f"baseline: no file at '{baseline_path}'; create it from a checked run with "
                          f"`python -m cpbench gate --baseline {baseline_path} RUN --update-baseline`")
         baseline = load_run(baseline_path, allow_schema_mismatch=allow_schema, what="baseline")
-        rules = load_rules(args.rules or baseline_path.with_name("gate-rules.toml"))
+        rules_file = rules_path(args.rules, baseline_path)
+        rules = load_rules(rules_file)
+        print(f"rules: {rules_file}")
         same_hardware = check_comparable(baseline, run, allow_hardware_mismatch=args.allow_hardware_mismatch,
                                          allow_schema_mismatch=allow_schema,
                                          allow_measurement_mismatch=args.allow_measurement_mismatch)

@@ -94,3 +94,14 @@ def load_rules(path: str | Path) -> list[Rule]:
         raise FileNotFoundError(f"rules: no gate rules at '{path}'; pass --rules FILE "
                                 f"(see results/baselines/gate-rules.toml for the format)")
     return parse_rules(path.read_text(), str(path))
+
+
+DEFAULT_RULES = Path(__file__).with_name("default-gate-rules.toml")  # shipped; kept equal to results/baselines'
+
+
+def rules_path(explicit: str | Path | None, baseline: Path) -> Path:
+    """`--rules`, else gate-rules.toml beside the baseline, else the rules shipped with cpbench."""
+    if explicit:
+        return Path(explicit)
+    beside = baseline.with_name("gate-rules.toml")
+    return beside if beside.exists() else DEFAULT_RULES

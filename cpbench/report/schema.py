@@ -48,6 +48,9 @@ COLUMNS: dict[str, tuple[pa.DataType, str]] = {
     "device": (pa.string(), "cpu | cuda"),
     "warmup_steps": (pa.int64(), "steps run before timing"),
     "measured_steps": (pa.int64(), "steps timed"),
+    "loss_mode": (pa.string(), "full (the model's logits) | chunked (the output projection and loss chunk by chunk; "
+                  "no logits, so parity compares the loss and gradients)"),
+    "activation_checkpointing": (pa.bool_(), "every decoder layer recomputed in backward"),
     "keep_outputs": (pa.bool_(), "the step keeps the whole output (logits) through backward; false: only the loss, "
                      "as transformers' Trainer"),
     "parity_mode": (pa.string(), "full | projected | off"),
@@ -134,7 +137,7 @@ ARROW_SCHEMA = pa.schema(
 # The fields of a point's spec that identify it across runs (a baseline and a new run match on these).
 KEY_COLUMNS = (
     "model", "seq_len", "batch_size", "batch_kind", "cp_size", "fsdp_size", "dp_replicate_size",
-    "attn_implementation", "cp_style", "dtype", "device", "keep_outputs",
+    "attn_implementation", "cp_style", "dtype", "device", "keep_outputs", "loss_mode", "activation_checkpointing",
 )
 
 

@@ -27,18 +27,25 @@ def _points(text: str):
 
 def matrix():
     points = []
-    for kind in ("plain", "packed", "padded"):  # tiny-qwen3 ties its embeddings
-        points += _points(f'model = "tiny-qwen3"\nseq_lens = [256]\ncp_sizes = [1, 2]\nbatch_kind = "{kind}"\n'
-                          'attn_implementations = ["sdpa"]\ncp_styles = ["cp_ulysses", "cp_ring", "cp_ring_zigzag"]\n')
-    for kind in ("padded", "packed"):  # eager: fully masked rows are uniform (left-padded rows, see ring_masks)
-        points += _points(f'model = "tiny-qwen3"\nseq_lens = [256]\ncp_sizes = [2]\nbatch_kind = "{kind}"\n'
-                          'attn_implementations = ["eager"]\ncp_styles = ["cp_ring"]\n')
+    for kind, cp, styles, attn in (  # tiny-qwen3 ties its embeddings
+        ("plain", "1, 2", "cp_ulysses\", \"cp_ring\", \"cp_ring_zigzag", "sdpa"),
+        ("packed", "2", "cp_ulysses\", \"cp_ring_zigzag", "sdpa"),
+        ("padded", "2", "cp_ulysses\", \"cp_ring", "sdpa"),
+        ("padded", "2", "cp_ring", "eager"),  # eager: fully masked rows are uniform (ring_masks)
+        ("packed", "2", "cp_ring_zigzag", "eager"),
+    ):
+        points += _points(f'model = "tiny-qwen3"\nseq_lens = [256]\ncp_sizes = [{cp}]\nbatch_kind = "{kind}"\n'
+                          f'attn_implementations = ["{attn}"]\ncp_styles = ["{styles}"]\n')
     points += _points('model = "tiny-llama"\nseq_lens = [256]\ncp_sizes = [2]\n'  # untied
                       'attn_implementations = ["sdpa"]\ncp_styles = ["cp_ulysses", "cp_ring_zigzag"]\n')
     points += _points('model = "tiny-mistral"\nseq_lens = [250]\ncp_sizes = [2]\nbatch_kind = "padded"\n'
                       'dtype = "bfloat16"\nattn_implementations = ["sdpa"]\ncp_styles = ["cp_ring_zigzag"]\n')
     points += _points('model = "tiny-qwen3"\nseq_lens = [256]\ncp_sizes = [2]\nkeep_outputs = true\n'
                       'attn_implementations = ["sdpa"]\ncp_styles = ["cp_ulysses"]\n')
+    points += _points('model = "tiny-qwen3"\nseq_lens = [256]\ncp_sizes = [1, 2]\nloss = "chunked"\n'
+                      'attn_implementations = ["sdpa"]\ncp_styles = ["cp_ring_zigzag"]\n')
+    points += _points('model = "tiny-qwen3"\nseq_lens = [256]\ncp_sizes = [2]\nactivation_checkpointing = true\n'
+                      'batch_kind = "packed"\nattn_implementations = ["sdpa"]\ncp_styles = ["cp_ring_zigzag"]\n')
     return points
 
 
@@ -74,6 +81,7 @@ def test_the_matrix_covers_every_style_batch_kind_and_tie():
     assert {p.cp_style for p in points} == {"none", "cp_ulysses", "cp_ring", "cp_ring_zigzag"}
     assert {p.batch_kind for p in points} == {"plain", "packed", "padded"}
     assert {p.preset for p in points} >= {"tiny-qwen3", "tiny-llama"}  # tied and untied
+    assert {p.loss_mode for p in points} == {"full", "chunked"}
 
 
 # Qwen3-0.6B's widths (hidden 1024, 16 query / 8 kv heads of 128, MLP 3072) with 2 layers at 2k tokens. The

@@ -54,7 +54,15 @@ def test_compare_prints_the_change_per_metric(runs, capsys):
 
 def test_gate_passes_the_same_points_with_other_noise(runs, capsys):
     assert main(["gate", "--baseline", str(runs["baseline"]), str(runs["run"])]) == 0
-    assert capsys.readouterr().out.startswith("gate PASS")
+    out = capsys.readouterr().out
+    assert out.startswith(f"rules: {runs['base_dir'] / 'gate-rules.toml'}\ngate PASS")
+
+
+def test_gate_without_rules_beside_the_baseline_uses_the_shipped_rules(runs, capsys):
+    (runs["base_dir"] / "gate-rules.toml").unlink()
+    assert main(["gate", "--baseline", str(runs["baseline"]), str(runs["run"])]) == 0
+    out = capsys.readouterr().out
+    assert "default-gate-rules.toml" in out.splitlines()[0] and "gate PASS" in out
 
 
 def test_gate_fails_a_regression_with_exit_1_and_the_list(runs, capsys):

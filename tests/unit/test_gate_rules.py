@@ -34,3 +34,9 @@ def test_bad_rules_name_the_field_and_the_fix(text, match):
 def test_a_missing_rules_file_says_how_to_pass_one(tmp_path):
     with pytest.raises(FileNotFoundError, match="--rules"):
         load_rules(tmp_path / "gate-rules.toml")
+
+
+def test_the_shipped_default_rules_are_the_committed_ones():
+    from cpbench.report.gate_rules import DEFAULT_RULES
+
+    assert DEFAULT_RULES.read_text() == COMMITTED.read_text()  # one set of rules, shipped inside the package too
