@@ -33,33 +33,81 @@ def err(field_name: str, value, fix: str) -> ValueError:
     return ValueError(f"suite field `{field_name}` = {value!r}: {fix}")
 
 
-def validate(suite: Suite, *, allow_faults: bool = False) -> None:
-    _check_types(suite)
+class SuiteErrors(ValueError):
+    """Every error of a suite at once: one line each (field, value, fix)."""
+
+    def __init__(self, source, errors: list[str]):
+        self.errors = errors
+        lines = errors if len(errors) > 1 else []
+        head = f"{source}: {len(errors)} errors:" if len(errors) > 1 else f"{source}: {errors[0]}"
+        super().__init__("\n".join([head, *(f"  - {e}" for e in lines)]))
+
+
+class Collector:
+    """Runs checks and keeps their errors instead of stopping at the first."""
+
+    def __init__(self):
+        self.errors: list[str] = []
+
+    def run(self, check, *args):
+        try:
+            return check(*args)
+        except ValueError as e:
+            self.errors.extend(e.errors if isinstance(e, SuiteErrors) else [str(e)])
+            return None
+
+
+def validate(suite: Suite, *, allow_faults: bool = False, source: str = "suite") -> None:
+    """Raises SuiteErrors listing every error found. Checks that need a sound value (the model config for the
+    lengths and heads) run only once the fields they read passed."""
+    found = Collector()
+    for name in _SCALARS:
+        found.run(_check_scalar, suite, name)
+    for name in _LISTS:
+        found.run(_check_list, suite, name)
+    if found.errors:  # a wrong type would make the checks below crash or mislead
+        raise SuiteErrors(source, found.errors)
+    found.run(_check_name, suite)
+    preset = found.run(get_preset, suite.model)
+    if preset is not None:
+        found.run(check_overrides, preset, suite.model_overrides)
+    for name, choices in (("device", DEVICES), ("dtype", DTYPES), ("batch_kind", BATCH_KINDS),
+                          ("parity", PARITY_MODES), ("loss", LOSSES)):
+        found.run(_check_choice, name, getattr(suite, name), choices)
+    for check in (_check_counts, _check_backends, _check_world, _check_budget):
+        found.run(check, suite)
+    found.run(_check_faults, suite, allow_faults)
+    config = found.run(preset.config, suite.model_overrides) if preset is not None and not found.errors else None
+    if config is not None:
+        found.run(_check_lengths, suite, config)
+        found.run(_check_styles, suite, config)
+    if found.errors:
+        raise SuiteErrors(source, found.errors)
+
+
+def _check_name(suite: Suite) -> None:
     if not re.fullmatch(r"[A-Za-z0-9._-]+", suite.name):
         raise err("name", suite.name, "use letters, digits, '.', '_' or '-' (it names a results folder).")
-    preset = get_preset(suite.model)
-    check_overrides(preset, suite.model_overrides)
-    _check_choice("device", suite.device, DEVICES)
-    _check_choice("dtype", suite.dtype, DTYPES)
-    _check_choice("batch_kind", suite.batch_kind, BATCH_KINDS)
-    _check_choice("parity", suite.parity, PARITY_MODES)
-    _check_choice("loss", suite.loss, LOSSES)
+
+
+def _check_counts(suite: Suite) -> None:
+    found = Collector()
     for name in ("batch_size", "measured_steps", "fsdp_size", "dp_replicate_size", "seed"):
         minimum = 0 if name == "seed" else 1
         if getattr(suite, name) < minimum:
-            raise err(name, getattr(suite, name), f"must be an integer >= {minimum}.")
+            found.errors.append(str(err(name, getattr(suite, name), f"must be an integer >= {minimum}.")))
     if suite.warmup_steps < 1:
-        raise err("warmup_steps", suite.warmup_steps, "must be >= 1: memory is measured over the warmup steps (the "
-                  "only tracked steps with the optimizer state allocated); 3 lets the smallest of their peaks drop "
-                  "the noise of buffers freed late (see README).")
+        found.errors.append(str(err("warmup_steps", suite.warmup_steps, "must be >= 1: memory is measured over the "
+                                    "warmup steps (the only tracked steps with the optimizer state allocated); 3 "
+                                    "lets the smallest of their peaks drop the noise of buffers freed late (see "
+                                    "README).")))
     if suite.timeout_s <= 0:
-        raise err("timeout_s", suite.timeout_s, "must be a positive number of seconds.")
-    config = preset.config(suite.model_overrides)
-    _check_lengths(suite, config)
-    _check_backends(suite)
-    _check_styles(suite, config)
-    _check_world(suite)
-    _check_faults(suite, allow_faults)
+        found.errors.append(str(err("timeout_s", suite.timeout_s, "must be a positive number of seconds.")))
+    if found.errors:
+        raise SuiteErrors("suite", found.errors)
+
+
+def _check_budget(suite: Suite) -> None:
     if suite.memory_budget is not None:
         parse_bytes(suite.memory_budget, field_name="memory_budget")
 
@@ -95,16 +143,17 @@ _LISTS = {"seq_lens": _is_int, "cp_sizes": _is_int, "attn_implementations": lamb
           "cp_styles": lambda v: isinstance(v, str)}
 
 
-def _check_types(suite: Suite) -> None:
-    """Every field's type, before any value is used (a wrong type would otherwise crash later, or launch)."""
-    for name, (ok, what) in _SCALARS.items():
-        if not ok(getattr(suite, name)):
-            raise err(name, getattr(suite, name), f"must be {what}.")
-    for name, ok in _LISTS.items():
-        values = getattr(suite, name)
-        if not isinstance(values, (list, tuple)) or not values or not all(ok(v) for v in values):
-            kind = "integers" if ok is _is_int else "strings"
-            raise err(name, values, f"must be a non-empty list of {kind}.")
+def _check_scalar(suite: Suite, name: str) -> None:
+    ok, what = _SCALARS[name]
+    if not ok(getattr(suite, name)):
+        raise err(name, getattr(suite, name), f"must be {what}.")
+
+
+def _check_list(suite: Suite, name: str) -> None:
+    ok, values = _LISTS[name], getattr(suite, name)
+    if not isinstance(values, (list, tuple)) or not values or not all(ok(v) for v in values):
+        kind = "integers" if ok is _is_int else "strings"
+        raise err(name, values, f"must be a non-empty list of {kind}.")
 
 
 def _check_choice(name: str, value, choices) -> None:

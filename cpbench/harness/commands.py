@@ -53,6 +53,7 @@ def register(subparsers) -> None:
     quick.add_argument("--world-size", type=int, default=None, help="ranks; fsdp fills what cp leaves")
     quick.add_argument("--batch-kind", default="plain", help="plain | packed | padded")
     quick.add_argument("--loss", default="full", help="full | chunked (the output projection and loss in chunks)")
+    quick.add_argument("--recompute", action="store_true", help="activation checkpointing of every decoder layer")
     est.set_defaults(func=estimate_command)
 
 
@@ -145,7 +146,8 @@ def _quick_suite(args):
     fields = {"name": f"estimate-{args.model}", "model": args.model, "seq_lens": _ints("--seq", args.seq),
               "cp_sizes": _ints("--cp", args.cp), "attn_implementations": _names(args.attn),
               "cp_styles": _names(args.styles), "dtype": args.dtype, "device": args.device,
-              "batch_kind": args.batch_kind, "loss": args.loss, "warmup_steps": 1, "measured_steps": 1}
+              "batch_kind": args.batch_kind, "loss": args.loss, "activation_checkpointing": args.recompute,
+              "warmup_steps": 1, "measured_steps": 1}
     if args.world_size is not None:
         fields["world_size"] = args.world_size
     text = "\n".join(f"{k} = {_toml(v)}" for k, v in fields.items())

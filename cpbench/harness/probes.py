@@ -197,7 +197,7 @@ class NvmlSampler:
             import pynvml
 
             pynvml.nvmlInit()
-            self._handle = pynvml.nvmlDeviceGetHandleByIndex(device_index)
+            self._handle = nvml_handle(pynvml, device_index)
             self._read = lambda: pynvml.nvmlDeviceGetMemoryInfo(self._handle).used
         except Exception as e:  # noqa: BLE001 - NVML is optional: the column is null and the row says why
             self._read = None
@@ -226,6 +226,13 @@ class NvmlSampler:
             self._stop.set()
             self._thread.join()
         return False
+
+
+def nvml_handle(pynvml, device_index: int):
+    """NVML's handle of torch's CUDA device `device_index`. NVML numbers the devices physically, torch after
+    CUDA_VISIBLE_DEVICES (as SLURM sets it): the device's UUID names the same GPU in both."""
+    uuid = str(torch.cuda.get_device_properties(device_index).uuid)
+    return pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
 
 
 def memory_probe(device: str, model, optimizer, budget: int | None):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from cpbench.report.schema import KEY_COLUMNS
 
-from .checks import NO_STYLE, err, validate
+from .checks import NO_STYLE, SuiteErrors, err, validate
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -123,24 +123,38 @@ def key_hash(values: dict) -> str:
 
 
 def load_suite(source: str | Path, *, text: str | None = None, allow_faults: bool = False) -> Suite:
-    """Reads and validates a suite file (or `text`, named `source`)."""
-    raw = tomllib.loads(text if text is not None else Path(source).read_text())
+    """Reads and validates a suite file (or `text`, named `source`); every error of it is reported at once."""
+    try:
+        raw = tomllib.loads(text if text is not None else Path(source).read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"{source}: not valid TOML: {e} (fix the syntax at that line)") from None
+    errors = []
     known = {f.name for f in fields(Suite)}
     unknown = sorted(set(raw) - known)
     if unknown:
-        raise ValueError(f"{source}: unknown suite fields {unknown}. Known fields: {sorted(known)}.")
+        errors.append(f"unknown suite fields {unknown}. Known fields: {sorted(known)}.")
+        raw = {k: v for k, v in raw.items() if k in known}
     for name in ("seq_lens", "cp_sizes", "attn_implementations", "cp_styles"):
         if name in raw:
             if not isinstance(raw[name], list) or not raw[name]:
-                raise err(name, raw[name], "give a non-empty list, e.g. [1, 2] or [\"sdpa\"].")
-            raw[name] = tuple(raw[name])
+                errors.append(str(err(name, raw[name], "give a non-empty list, e.g. [1, 2] or [\"sdpa\"].")))
+                del raw[name]
+            else:
+                raw[name] = tuple(raw[name])
     if "name" not in raw:
         raw["name"] = Path(str(source)).stem
     for name in ("model", "seq_lens"):
         if name not in raw:
-            raise ValueError(f"{source}: suite field `{name}` is required (e.g. model = \"tiny-qwen3\").")
+            errors.append(f"suite field `{name}` is required (e.g. model = \"tiny-qwen3\", seq_lens = [2048]).")
+    if errors and ("model" not in raw or "seq_lens" not in raw):
+        raise SuiteErrors(source, errors)
     suite = Suite(**raw)
-    validate(suite, allow_faults=allow_faults)
+    try:
+        validate(suite, allow_faults=allow_faults, source=source)
+    except SuiteErrors as e:
+        raise SuiteErrors(source, errors + e.errors) from None
+    if errors:
+        raise SuiteErrors(source, errors)
     return suite
 
 

@@ -110,3 +110,24 @@ def test_a_cpu_probe_counts_the_smallest_of_identical_steps():
     with quiet.segment(repeat="step"):
         model(torch.ones(4, 8)).sum().backward()
     assert probe.result()["peak_bytes"] == quiet.result()["peak_bytes"] > 0
+
+
+def test_nvml_finds_the_device_by_uuid_not_by_torch_index(monkeypatch):
+    """Under CUDA_VISIBLE_DEVICES=2,3 torch's device 0 is physical GPU 2: NVML must be asked by UUID."""
+    import types
+
+    import torch
+
+    asked = []
+    physical = {"GPU-2222": "handle of physical GPU 2"}
+    fake = types.SimpleNamespace(
+        nvmlInit=lambda: None,
+        nvmlDeviceGetHandleByIndex=lambda i: asked.append(("index", i)) or f"handle of physical GPU {i}",
+        nvmlDeviceGetHandleByUUID=lambda u: asked.append(("uuid", u)) or physical[u],
+        nvmlDeviceGetMemoryInfo=lambda h: types.SimpleNamespace(used=7 if h == "handle of physical GPU 2" else 0),
+    )
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(uuid="2222"))
+    sampler = probes.NvmlSampler(0)
+    assert sampler.error is None and asked == [("uuid", "GPU-2222")]
+    assert sampler._read() == 7  # the used memory of physical GPU 2

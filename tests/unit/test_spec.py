@@ -171,3 +171,22 @@ def test_the_default_suite_measures_enough_steps_for_the_gate_time_test_to_reach
         v["alpha"] for v in rules.get("metrics", {}).values() if isinstance(v, dict) and "alpha" in v]
     # the smallest one-sided p-value of an exact Mann-Whitney test with n vs n samples
     assert 1 / math.comb(2 * n, n) < min(alphas), (n, alphas)
+
+
+def test_every_error_of_a_suite_is_reported_at_once():
+    text = BASE.replace('"sdpa"', '"sdpa2"').replace("cp_sizes = [1, 2]", "cp_sizes = [1, 2]\nbatch_size = 0") + (
+        'dtype = "float8"\nwarmup_steps = 0\nnonsense = 1\n')
+    with pytest.raises(ValueError) as raised:
+        _load(text)
+    message = str(raised.value)
+    assert message.startswith("t.toml: 5 errors:")
+    for part in ("unknown suite fields ['nonsense']", "`dtype` = 'float8'", "`batch_size` = 0", "`warmup_steps` = 0",
+                 "`attn_implementations` = 'sdpa2'"):
+        assert part in message, part
+
+
+def test_a_toml_syntax_error_names_the_file_and_the_line(tmp_path):
+    path = tmp_path / "broken.toml"
+    path.write_text('name = "t"\nmodel = "tiny-qwen3"\nseq_lens = [128,\ncp_sizes = [1]\n')
+    with pytest.raises(ValueError, match=r"broken\.toml: not valid TOML: .*line 4"):
+        load_suite(path)
