@@ -1,4 +1,5 @@
-"""Context parallelism for Hugging Face transformers models (see DESIGN.md, "What context parallelism is here")."""
+"""Context parallelism for Hugging Face transformers models (docs/DESIGN.md: the modules of cp/ and every touch point
+with transformers)."""
 
 from . import hf_compat
 from .apply import parallelize, use_loss

@@ -1,5 +1,5 @@
 """cpbench/report reads Parquet on a laptop: it never imports the CP core, the harness, the CLI or
-torch.distributed (DESIGN.md, Layout). Checked on the source, so a stray import fails here first."""
+torch.distributed (docs/DESIGN.md, "What may import what"). Checked on the source, so a stray import fails here first."""
 
 import ast
 from pathlib import Path

@@ -136,6 +136,7 @@ def test_the_default_suite_is_shipped_as_a_file_and_covers_the_required_grid():
 def test_every_shipped_suite_validates(name):
     suite = resolve_suite(ROOT / "suites" / name)
     assert suite.points()
+    assert suite.warmup_steps >= 3  # the leak check (peaks that grow every warmup step) needs 3
 
 
 def test_ring_styles_are_refused_exactly_the_backends_their_registration_does_not_serve():
