@@ -179,6 +179,9 @@ def run_points(points: list[Point], records_dir: Path, *, budget: int | None, ca
             write_json(records_dir / f"{point.point_key}.json", gathered)
         if _over_budget(gathered, budget):
             oom_families.add(point.family_key)
+    # Every rank reaches the barrier before any tears its group down: a gloo rank whose peer closes the connection
+    # while its own group is alive can abort the process ("terminate called without an active exception").
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -32,4 +32,7 @@ for _ in range(3):
 rank = torch.distributed.get_rank()
 record = {"rank": rank, "losses": losses, "logits_shape": list(out.logits.shape)}
 (out_dir / f"rank{rank}.json").write_text(json.dumps(record))
+# Every rank reaches the barrier before any tears its process group down: a gloo rank whose peer closes the
+# connection while its own group is alive can abort ("terminate called without an active exception").
+torch.distributed.barrier()
 torch.distributed.destroy_process_group()
