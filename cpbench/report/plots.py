@@ -113,18 +113,25 @@ def scaling_figure(frame: pd.DataFrame) -> Figure:
         _empty(speed_ax, "no cp > 1 point has an ok cp=1 counterpart")
         _empty(mem_ax, "")
         return fig
+    timed = bool(ratios["speedup"].notna().any())
     for config in dict.fromkeys(ratios["config"]):
         r = ratios[ratios["config"] == config]
-        speed_ax.plot(r["seq_len"], r["speedup"], marker="o", label=config)
+        if timed:
+            speed_ax.plot(r["seq_len"], r["speedup"], marker="o", label=config)
         line = mem_ax.plot(r["seq_len"], r["memory_ratio"], marker="o", label=f"{config}: peak")[0]
         mem_ax.plot(r["seq_len"], r["activations_ratio"], marker=".", linestyle=":", color=line.get_color(),
                     label=f"{config}: activations")
-    speed_ax.axhline(1.0, color="grey", linestyle="--")
     for cp in sorted(ratios["cp_size"].unique()):
         mem_ax.axhline(1.0 / cp, color="grey", linestyle="--", label=f"ideal activations 1/{cp}")
-    speed_ax.set_ylabel("speed-up vs cp=1 (cp=1 step time / step time)")
     mem_ax.set_ylabel("memory vs cp=1 (ratio of per-rank peaks)")
-    for ax in (speed_ax, mem_ax):
+    mem_ax.set_title("Memory against cp=1" + measurement_note(frame))
+    axes = (speed_ax, mem_ax) if timed else (mem_ax,)
+    if timed:
+        speed_ax.axhline(1.0, color="grey", linestyle="--")
+        speed_ax.set_ylabel("speed-up vs cp=1 (cp=1 step time / step time)")
+    else:
+        _empty(speed_ax, "no speed-up: no point was timed (a projection has no time)")
+    for ax in axes:
         _seq_axis(ax)
         ax.legend(fontsize="small")
     return fig

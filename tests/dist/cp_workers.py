@@ -99,6 +99,10 @@ def fsdp_cp_worker(path: str, attn: str) -> dict:
     }
 
 
+def fsdp_cp_workers(paths: list[str], attn: str) -> list[dict]:
+    return [fsdp_cp_worker(path, attn) for path in paths]
+
+
 CALLS = {"n": 0, "inner_sees": set()}
 
 

@@ -59,10 +59,12 @@ def test_gqa_fewer_kv_heads_than_ranks(spawn, tmp_path):
 
 
 def test_fsdp_and_replicate_with_cp(spawn, tmp_path):
-    path = save_tiny("qwen3", tmp_path)
-    for rank_result in spawn(w.fsdp_cp_worker, 4, path, "sdpa"):
-        check(rank_result["fsdp2_cp2"])
-        check(rank_result["replicate2_cp2"])
+    # untied and tied embeddings (one FSDP group for the tied head and embedding, tests/dist/tied_workers.py)
+    paths = [save_tiny("qwen3", tmp_path / "untied"), save_tiny("qwen3", tmp_path / "tied", tie_word_embeddings=True)]
+    for rank_result in spawn(w.fsdp_cp_workers, 4, paths, "sdpa"):
+        for per_model in rank_result:
+            check(per_model["fsdp2_cp2"])
+            check(per_model["replicate2_cp2"])
 
 
 def test_custom_attention_style(spawn, tmp_path):

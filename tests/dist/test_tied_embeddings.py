@@ -1,6 +1,7 @@
 """Tied input/output embeddings under CP against unsharded runs (fp32, gloo, spawned ranks).
 
-A tied head and embedding must stay one parameter, be gathered by one FSDP group once per step (not once for the
+(fsdp2 x cp2 and replicate2 x cp2 with a tied model: tests/dist/test_cp_parity.py.) A tied head and embedding
+must stay one parameter, be gathered by one FSDP group once per step (not once for the
 embedding and again for the head), and get the gradient of both uses, as in the unsharded model.
 """
 
@@ -19,33 +20,27 @@ def check_tie(facts: dict) -> None:
 
 
 @pytest.fixture(scope="module")
-def from_pretrained_run(tmp_path_factory):
+def run(tmp_path_factory):
+    """One 2-rank launch: from_pretrained (ties after loading) for every style, and parallelize (tied already,
+    the harness's path) on Qwen3 with sdpa and Gemma3 with eager."""
     from tests.spawn import run_ranks
 
     path = save_tiny("qwen3", tmp_path_factory.mktemp("tied"), tie_word_embeddings=True)
-    return run_ranks(w.from_pretrained_worker, 2, path, "sdpa", STYLES)
+    gemma = save_tiny("gemma3", tmp_path_factory.mktemp("gemma"), seed=0, tie_word_embeddings=True)
+    return run_ranks(w.tied_worker, 2, path, gemma, STYLES)
 
 
 @pytest.mark.parametrize("style", STYLES)
 @pytest.mark.parametrize("kind", ["plain", "packed"])
-def test_from_pretrained_tied_matches_unsharded(from_pretrained_run, style, kind):
-    for rank_result in from_pretrained_run:
-        check(rank_result[style][kind])
-        check_tie(rank_result[style]["facts"])
+def test_from_pretrained_tied_matches_unsharded(run, style, kind):
+    for rank_result in run:
+        check(rank_result["from_pretrained"][style][kind])
+        check_tie(rank_result["from_pretrained"][style]["facts"])
 
 
-@pytest.mark.parametrize("family, attn", [("qwen3", "sdpa"), ("gemma3", "eager")])
-def test_parallelize_tied_matches_unsharded(spawn, tmp_path, family, attn):
-    # The harness's path: a model built from its config, tied before it is distributed.
-    path = save_tiny(family, tmp_path, seed=0, tie_word_embeddings=True)
-    for rank_result in spawn(w.parallelize_worker, 2, family, path, attn, ["cp_ulysses", "cp_ring_zigzag"]):
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+def test_parallelize_tied_matches_unsharded(run, family):
+    for rank_result in run:
         for style in ("cp_ulysses", "cp_ring_zigzag"):
-            check(rank_result[style]["plain"])
-            check_tie(rank_result[style]["facts"])
-
-
-def test_tied_with_fsdp_and_replicate(spawn, tmp_path):
-    path = save_tiny("qwen3", tmp_path, tie_word_embeddings=True)
-    for rank_result in spawn(w.fsdp_cp_worker, 4, path, "sdpa"):
-        check(rank_result["fsdp2_cp2"])
-        check(rank_result["replicate2_cp2"])
+            check(rank_result[family][style]["plain"])
+            check_tie(rank_result[family][style]["facts"])

@@ -4,14 +4,12 @@ loading, and `cpbench.parallelize` on a model that is tied already."""
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch.distributed.fsdp import FSDPModule
 from transformers import AutoModelForCausalLM
 
 import cpbench
-from tests.dist.cp_workers import _dp_parity, _load, _parity
+from tests.dist.cp_workers import _load, _parity
 from tests.dist.models import make_batch, tiny_config
 
 
@@ -59,10 +57,7 @@ def parallelize_worker(family: str, path: str, attn: str, styles: list[str]) -> 
     return out
 
 
-def fsdp_cp_worker(path: str, attn: str) -> dict:
-    """4 ranks: cp=2 x fsdp=2 and dp_replicate=2 x cp=2 on a tied model (rank = dp_index * 2 + cp_index)."""
-    dp_index = int(os.environ["RANK"]) // 2
-    return {
-        "fsdp2_cp2": _dp_parity(path, attn, dp_index, 2, fsdp_size=2, cp_size=2),
-        "replicate2_cp2": _dp_parity(path, attn, dp_index, 2, dp_replicate_size=2, cp_size=2),
-    }
+def tied_worker(path: str, gemma_path: str, styles: list[str]) -> dict:
+    return {"from_pretrained": from_pretrained_worker(path, "sdpa", styles),
+            "qwen3": parallelize_worker("qwen3", path, "sdpa", ["cp_ulysses", "cp_ring_zigzag"]),
+            "gemma3": parallelize_worker("gemma3", gemma_path, "eager", ["cp_ulysses", "cp_ring_zigzag"])}

@@ -56,3 +56,13 @@ def test_without_a_capacity_the_sweeps_memory_budget_is_drawn():
     frame = make_run()  # cp=1 ran out of a 256 MiB budget
     assert _lines(plots.memory_figure(frame)) == {"memory budget": pytest.approx(0.25)}
     assert "memory budget" not in _lines(plots.memory_figure(frame, capacity=GIB))
+
+
+def test_every_figure_draws_a_projected_run_and_says_so():
+    from tests.report_fixtures import make_run, projected
+
+    frame = projected(make_run())
+    for name, draw in plots.FIGURES.items():
+        fig = draw(frame)
+        assert plots.png_bytes(fig), name
+    assert "(projected)" in plots.memory_figure(frame).axes[0].get_title()
