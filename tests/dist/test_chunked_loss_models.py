@@ -30,7 +30,7 @@ def worker(paths: dict, attn: str) -> dict:
     for tie, path in paths.items():
         for style in ("cp_ulysses", "cp_ring_zigzag"):
             model = _load(path, attn, cp_size=2, cp_plan={"model.layers.*.self_attn": style})
-            for kind in ("plain", "left_pad"):
+            for kind in (("plain", "left_pad") if tie == "tied" else ("plain",)):
                 out[(tie, style, kind)] = _chunked(model, make_batch(kind), path, attn)
         plain = AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn, dtype=torch.float32)
         out[(tie, "no-cp", "packed")] = _chunked(plain, make_batch("packed"), path, attn)
@@ -56,7 +56,7 @@ def results(tmp_path_factory):
 def test_the_chunked_loss_matches_the_unsharded_full_loss(results):
     for rank_result in results:
         cases = [k for k in rank_result if k != "early"]
-        assert len(cases) == 10
+        assert len(cases) == 8
         for case in cases:
             check(rank_result[case])
             assert rank_result[case]["logits_is_none"], case

@@ -29,10 +29,9 @@ def matrix():
     points = []
     for kind, cp, styles, attn in (  # tiny-qwen3 ties its embeddings
         ("plain", "1, 2", "cp_ulysses\", \"cp_ring_zigzag", "sdpa"),
-        ("packed", "2", "cp_ulysses\", \"cp_ring_zigzag", "sdpa"),
-        ("padded", "2", "cp_ulysses\", \"cp_ring", "sdpa"),
+        ("packed", "2", "cp_ring_zigzag", "sdpa"),
+        ("padded", "2", "cp_ring", "sdpa"),
         ("padded", "2", "cp_ring", "eager"),  # eager: fully masked rows are uniform (ring_masks)
-        ("packed", "2", "cp_ring_zigzag", "eager"),
     ):
         points += _points(f'model = "tiny-qwen3"\nseq_lens = [256]\ncp_sizes = [{cp}]\nbatch_kind = "{kind}"\n'
                           f'attn_implementations = ["{attn}"]\ncp_styles = ["{styles}"]\n')

@@ -67,7 +67,7 @@ def _packed_positions(rng, seq):
     return torch.cat([torch.arange(b - a) for a, b in zip(bounds, bounds[1:])])
 
 
-@pytest.mark.parametrize("seed", range(150))
+@pytest.mark.parametrize("seed", range(80))
 def test_every_tile_is_the_mask_it_stands_for(seed):
     rng = random.Random(seed)
     seq, n = rng.choice([(24, 8), (21, 6), (32, 4)])  # 21 of 24: the layout pads the last chunk
