@@ -25,7 +25,7 @@ DEVICES = ("cpu", "cuda")
 BATCH_KINDS = ("plain", "packed", "padded")
 PARITY_MODES = ("auto", "full", "projected", "off")
 LOSSES = ("full", "chunked")  # cpbench.cp.chunked_loss.LOSSES
-FAULTS = ("crash", "hang")  # injected by cpbench's own tests only (see `Suite.faults`)
+FAULTS = ("crash", "oom", "hang")  # injected by cpbench's own tests only (see `Suite.faults`)
 NO_STYLE = "none"
 
 

@@ -57,7 +57,16 @@ class LaunchRecords:
         errors = sorted(self.folder.glob(f"{point.point_key}.rank*.error.json"))
         if not errors:
             return None
-        records = [json.loads(e.read_text()) for e in errors]
-        status = "oom" if any(r["status"] == "oom" for r in records) else "error"
-        message = "; ".join(f"rank {r['rank']}: {r['message']}" for r in records)
-        return {"kind": "outcome", "status": status, "message": message, "wall_s": wall_s}
+        return {"kind": "outcome", "wall_s": wall_s, **failure([json.loads(e.read_text()) for e in errors])}
+
+
+def failure(records: list[dict]) -> dict:
+    """Status and detail of a point some ranks failed: the first rank to fail leads (its peers' errors, a closed
+    connection in the collective they were waiting in, follow it); `oom` when any rank ran out of memory."""
+    records = sorted(records, key=lambda r: (r.get("t", 0.0), r["rank"]))
+    status = "oom" if any(r["status"] == "oom" for r in records) else "error"
+    first, *rest = records
+    message = f"rank {first['rank']}: {first['message']}"
+    if rest:
+        message += " (failed first); then " + "; ".join(f"rank {r['rank']}: {r['message']}" for r in rest)
+    return {"status": status, "message": message}

@@ -49,13 +49,22 @@ def write_json(path: Path, data) -> None:
     os.replace(tmp, path)
 
 
-def _inject(point: Point, rank: int) -> None:
-    """Test-only faults (see `Suite.faults`): the last rank crashes or hangs, its peers block in a collective."""
-    if point.fault and rank == point.world_size - 1:
-        if point.fault == "crash":
-            raise RuntimeError(f"injected crash in {point.point_id} (suite [faults] table)")
-        while point.fault == "hang":
-            time.sleep(3600)
+def _inject(point: Point, model, rank: int) -> None:
+    """Test-only faults (see `Suite.faults`) on the last rank. "crash" and "oom" raise inside the first forward, at
+    the second decoder layer, after its peers have entered the step's collectives; "hang" blocks before it."""
+    if not point.fault or rank != point.world_size - 1:
+        return
+    while point.fault == "hang":
+        time.sleep(3600)
+    kind = torch.OutOfMemoryError if point.fault == "oom" else RuntimeError
+    layers = [m for name, m in model.named_modules() if name.endswith("layers.1")]
+
+    def fail(*_):
+        raise kind(f"injected {point.fault} in {point.point_id} (suite [faults] table)")
+
+    if not layers:
+        fail()
+    layers[0].register_forward_pre_hook(fail)
 
 
 def run_point(point: Point, *, rank: int, device, budget: int | None, cache_dir: Path) -> dict:
@@ -67,7 +76,7 @@ def run_point(point: Point, *, rank: int, device, budget: int | None, cache_dir:
     batch = step.make_batch(point, model.config.vocab_size, device)
     optimizer = step.make_optimizer(model, point)
     probe = memory_probe(point.device, model, optimizer, budget)
-    _inject(point, rank)
+    _inject(point, model, rank)
 
     # Step 0, the parity step (the first, on unchanged weights), is not tracked: the capture keeps its outputs
     # and gathers full gradients, which a training step never holds. Its optimizer step creates the state.
@@ -141,7 +150,7 @@ def _reference(point: Point, mode: str, device) -> dict:
 def _error_record(rank: int, e: BaseException) -> dict:
     oom = isinstance(e, torch.OutOfMemoryError)
     message = f"{type(e).__name__}: {e}".strip()
-    return {"rank": rank, "status": "oom" if oom else "error", "message": message,
+    return {"rank": rank, "status": "oom" if oom else "error", "message": message, "t": time.time(),
             "traceback": traceback.format_exc()[-4000:]}
 
 

@@ -1,0 +1,37 @@
+"""How a point that some ranks failed is recorded: the first failure leads, out-of-memory wins the status.
+
+The records are what `worker._error_record` writes when a rank raises; the e2e sweep test covers a real
+mid-forward crash on one rank (tests/e2e/test_sweep.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from cpbench.harness.records import failure
+from cpbench.harness.worker import _error_record
+
+
+def _record(rank: int, exc: BaseException, t: float) -> dict:
+    try:
+        raise exc
+    except BaseException as e:  # noqa: BLE001 - the worker records whatever a rank raises
+        return {**_error_record(rank, e), "t": t}
+
+
+def test_the_rank_that_failed_first_leads_even_when_a_lower_rank_also_failed():
+    peer = _record(0, RuntimeError("Connection closed by peer"), t=10.5)
+    cause = _record(1, torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), t=10.0)
+    got = failure([peer, cause])
+    assert got["status"] == "oom"
+    assert got["message"].startswith("rank 1: OutOfMemoryError: CUDA out of memory")
+    assert "(failed first); then rank 0: RuntimeError: Connection closed by peer" in got["message"]
+
+
+def test_one_failed_rank_is_an_error_with_its_message_alone():
+    got = failure([_record(3, ValueError("bad shape"), t=1.0)])
+    assert got == {"status": "error", "message": "rank 3: ValueError: bad shape"}
+
+
+def test_an_error_record_keeps_its_traceback_and_time():
+    rec = _record(0, KeyError("x"), t=2.0)
+    assert rec["status"] == "error" and "KeyError" in rec["traceback"] and rec["t"] == 2.0
