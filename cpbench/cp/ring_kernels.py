@@ -13,6 +13,7 @@ Kernels:
 - `TorchKernel` — matmul + logsumexp on any device, also serving logit soft-capping; it holds the tile's scores
   (as eager attention holds the whole matrix).
 - `FlashAttnKernel` (ring_flash.py) — flash-attn's kernels, for flash_attention_2 models on CUDA.
+- `CudaSdpaKernel` (ring_cuda.py) — PyTorch's fused flash / memory-efficient kernels, for sdpa models on CUDA.
 """
 
 from __future__ import annotations
@@ -178,4 +179,8 @@ def select_kernel(
             return kernel
     if softcap is None and device_type == "cpu" and query.dtype in CPU_SDPA_DTYPES:
         return CpuSdpaKernel()
+    if softcap is None and device_type == "cuda":
+        from .ring_cuda import CudaSdpaKernel
+
+        return CudaSdpaKernel()
     return TorchKernel(softcap)

@@ -54,6 +54,8 @@ def register(subparsers) -> None:
     quick.add_argument("--batch-kind", default="plain", help="plain | packed | padded")
     quick.add_argument("--loss", default="full", help="full | chunked (the output projection and loss in chunks)")
     quick.add_argument("--recompute", action="store_true", help="activation checkpointing of every decoder layer")
+    quick.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                       help="a model config value (repeatable), e.g. max_position_embeddings=1048576")
     est.set_defaults(func=estimate_command)
 
 
@@ -151,7 +153,24 @@ def _quick_suite(args):
     if args.world_size is not None:
         fields["world_size"] = args.world_size
     text = "\n".join(f"{k} = {_toml(v)}" for k, v in fields.items())
+    if args.override:
+        text += "\nmodel_overrides = {" + ", ".join(_override(o) for o in args.override) + "}"
     return load_suite(f"--model {args.model}", text=text)
+
+
+def _override(text: str) -> str:
+    """KEY=VALUE -> a TOML inline-table entry, the value read as TOML (a number, true/false, or a quoted string)."""
+    import tomllib
+
+    key, sep, value = text.partition("=")
+    try:
+        if not sep or not key.strip().isidentifier():
+            raise tomllib.TOMLDecodeError("no KEY=")
+        tomllib.loads(f"v = {value}")
+    except tomllib.TOMLDecodeError:
+        raise ValueError(f"--override {text!r}: write KEY=VALUE with a TOML value, e.g. "
+                         "max_position_embeddings=1048576 or rope_scaling_type=\"linear\"") from None
+    return f"{key.strip()} = {value.strip()}"
 
 
 def _ints(flag: str, text: str) -> list[int]:

@@ -1,0 +1,149 @@
+"""The ring's block kernel for sdpa models on CUDA: PyTorch's fused attention kernels, which return the LSE.
+
+The matmul kernel (`TorchKernel`) computes a tile in fp32 and holds its scores: at 128k tokens over cp 8 a zigzag
+tile is 8k x 8k per head, GiBs per layer and no tensor cores. This kernel calls the ops sdpa itself dispatches to,
+as PyTorch's own context parallelism does, in the model's dtype:
+
+- FULL and CAUSAL tiles in fp16/bf16 (head dim <= 256): the flash kernel (`_scaled_dot_product_flash_attention`
+  and its backward). A ring's CAUSAL tile is square, where flash's bottom-right and the usual top-left causal
+  alignment agree.
+- DENSE tiles (padding, packed documents, partial sliding windows), fp32 inputs and larger head dims: the
+  memory-efficient kernel (`_scaled_dot_product_efficient_attention`), with the tile's mask as an additive bias in
+  the query's dtype (one [B, 1, q, k] bias per masked tile; no scores are kept).
+- Logit soft-capping, fp64 and eager's fully blocked rows (`TileMask.uniform`): `TorchKernel`, exact.
+
+Both fused kernels take the merged (final) output and LSE in backward, as the ring needs: the tile's gradients
+are then its exact share. The flash kernel takes GQA as it is (fewer kv heads; dk/dv come back at the kv head
+count), one call per tile. The efficient kernel wants equal head counts: it is called one kv head at a time with
+that head's k/v expanded to its query heads (a copy of one kv head per call, not of the whole block), and dk/dv are
+summed back over the group. Outputs and the LSE go to the accumulation dtype for the merge.
+
+On CPU this runs against strict emulations of the four ops (tests/unit/test_ring_cuda.py); a projection
+(`cpbench estimate`) runs the real ops' meta kernels, so it sees what they allocate.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .ring_kernels import TorchKernel, acc_dtype, safe_lse
+from .ring_masks import CAUSAL, DENSE, TileMask
+
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FLASH_MAX_HEAD_DIM = 256
+LSE_ALIGN = 32  # the efficient kernel's LSE is [B, H, ceil(S / 32) * 32] (see torch's meta registration)
+
+
+class CudaSdpaKernel:
+    def __init__(self, ops=None):
+        aten = torch.ops.aten
+        self.ops = ops or {
+            "flash": aten._scaled_dot_product_flash_attention,
+            "flash_backward": aten._scaled_dot_product_flash_attention_backward,
+            "efficient": aten._scaled_dot_product_efficient_attention,
+            "efficient_backward": aten._scaled_dot_product_efficient_attention_backward,
+        }
+        self.softcap = None  # the selector sends soft-capped models to TorchKernel
+        self._exact = TorchKernel()
+
+    @staticmethod
+    def route(q: torch.Tensor, tile: TileMask) -> str:
+        """"flash", "efficient" or "torch": which kernel serves this tile."""
+        if tile.uniform is not None or q.dtype not in FUSED_DTYPES:
+            return "torch"
+        if tile.kind != DENSE and q.dtype in FLASH_DTYPES and q.shape[-1] <= FLASH_MAX_HEAD_DIM:
+            return "flash"
+        return "efficient"
+
+    def forward(self, q, k, v, tile: TileMask, scale: float):
+        route = self.route(q, tile)
+        if route == "torch":
+            return self._exact.forward(q, k, v, tile, scale)
+        acc = acc_dtype(q.dtype)
+        if route == "flash":  # GQA natively: one call for all heads
+            out, lse, *_ = self.ops["flash"](q, k, v, 0.0, tile.kind == CAUSAL, False, scale=scale)
+            return out.to(acc), lse.to(acc)
+        b, h, sq, d = q.shape
+        g = h // k.shape[1]
+        out = torch.empty(b, h, sq, d, dtype=acc, device=q.device)
+        lse = torch.empty(b, h, sq, dtype=acc, device=q.device)
+        bias = _bias(tile, q.dtype)
+        for j, heads in _groups(k.shape[1], g):
+            o, l, *_ = self.ops["efficient"](q[:, heads], _expand(k, j, g), _expand(v, j, g), _heads(bias, heads, g),
+                                             True, 0.0, tile.kind == CAUSAL, scale=scale)
+            out[:, heads] = o
+            lse[:, heads] = l[..., :sq]
+            del o, l
+        if tile.kind == DENSE:
+            lse.masked_fill_(~tile.allowed.any(-1), float("-inf"))  # a row that sees no key: -inf for the merge
+        return out, lse
+
+    def backward(self, dout, q, k, v, out, lse, tile: TileMask, scale: float, dq, dk, dv) -> None:
+        route = self.route(q, tile)
+        if route == "torch":
+            return self._exact.backward(dout, q, k, v, out, lse, tile, scale, dq, dk, dv)
+        sq = q.shape[2]
+        lse = safe_lse(lse).float()
+        causal = tile.kind == CAUSAL
+        out, dout = out.to(q.dtype), dout.to(q.dtype)
+        if route == "flash":
+            seed, offset = _philox(q.device)
+            gq, gk, gv = self.ops["flash_backward"](dout, q, k, v, out, lse.contiguous(), None, None, sq, k.shape[2],
+                                                    0.0, causal, seed, offset, scale=scale)[:3]
+            dq += gq
+            dk += gk
+            dv += gv
+            return None
+        g = q.shape[1] // k.shape[1]
+        bias = _bias(tile, q.dtype)
+        for j, heads in _groups(k.shape[1], g):
+            lj = torch.nn.functional.pad(lse[:, heads], (0, -sq % LSE_ALIGN))
+            seed, offset = _philox(q.device, flash=False)
+            gq, gk, gv = self.ops["efficient_backward"](
+                dout[:, heads], q[:, heads], _expand(k, j, g), _expand(v, j, g), _heads(bias, heads, g), out[:, heads],
+                lj, seed, offset, 0.0, [True, True, True, False], causal, scale=scale,
+            )[:3]
+            dq[:, heads] += gq
+            dk[:, j] += gk.sum(1, dtype=dk.dtype)  # the group's shares, summed in the accumulation dtype
+            dv[:, j] += gv.sum(1, dtype=dv.dtype)
+            del gq, gk, gv
+        return None
+
+
+def _groups(kv_heads: int, g: int):
+    return ((j, slice(j * g, (j + 1) * g)) for j in range(kv_heads))
+
+
+def _expand(x: torch.Tensor, j: int, g: int) -> torch.Tensor:
+    """kv head j for its g query heads, contiguous (no kernel is asked to read a stride-0 head dimension)."""
+    return x[:, j : j + 1].expand(x.shape[0], g, *x.shape[2:]).contiguous()
+
+
+def _bias(tile: TileMask, dtype: torch.dtype) -> torch.Tensor | None:
+    """A DENSE tile's mask as the efficient kernel's additive bias [B, 1|H, q, k] in the query's dtype. The last
+    dim is laid out padded to a multiple of 16 elements (then sliced), the alignment the kernel wants, as sdpa's
+    own dispatch pads attention masks."""
+    if tile.kind != DENSE:
+        return None
+    allowed = tile.allowed
+    sk = allowed.shape[-1]
+    padded = torch.zeros(*allowed.shape[:-1], sk + (-sk % 16), dtype=dtype, device=allowed.device)
+    bias = padded[..., :sk]
+    bias.masked_fill_(~allowed, float("-inf"))
+    return bias
+
+
+def _heads(bias: torch.Tensor | None, heads: slice, g: int) -> torch.Tensor | None:
+    """The bias of one kv head's query heads: a shared [B, 1, q, k] bias broadcast (a view), a per-head one sliced."""
+    if bias is None:
+        return None
+    if bias.shape[1] != 1:
+        return bias[:, heads]
+    return bias.expand(bias.shape[0], g, *bias.shape[2:])
+
+
+def _philox(device, flash: bool = True):
+    """Dropout's RNG state for a backward without dropout: read by neither kernel at dropout 0."""
+    seed = torch.zeros(2 if flash else (), dtype=torch.int64, device=device)
+    return seed, torch.zeros((), dtype=torch.int64, device=device)
