@@ -72,8 +72,9 @@ def test_max_seq_finds_the_largest_length_that_fits_to_the_granularity(tmp_path,
 
 def test_the_quick_form_projects_one_model_without_a_suite(tmp_path):
     rc, df = _estimate(tmp_path, "--model", "tiny-llama", "--seq", "128", "--cp", "2", "--device", "cpu",
-                       "--dtype", "float32", "--styles", "cp_ring_zigzag")
+                       "--dtype", "float32", "--styles", "cp_ring_zigzag", "--override", "max_position_embeddings=4096")
     assert rc == 0 and len(df) == 1 and set(df["status"]) == {"ok"}
+    assert '"max_position_embeddings": 4096' in df["spec_json"].iloc[0]  # the config value reached the point
     cp2 = df[df["cp_size"] == 2]
     assert (cp2["comm_p2p_count"] > 0).all() and (cp2["comm_all_gather_count"] > 0).all()
     assert len(cp2["peak_bytes_per_rank"].iloc[0]) == 2
@@ -88,6 +89,7 @@ def test_the_quick_form_projects_one_model_without_a_suite(tmp_path):
     (["--model", "tiny-qwen3", "--seq", "128", "--device-memory", "1GiB", "--max-seq", "--granularity", "0"],
      "--granularity 0"),
     (["--model", "tiny-qwen3", "--seq", "128", "--jobs", "0"], "--jobs 0"),
+    (["--model", "tiny-qwen3", "--seq", "128", "--override", "rope_theta"], "--override 'rope_theta': write KEY=VALUE"),
 ])
 def test_bad_arguments_exit_2_with_the_fix(tmp_path, capsys, args, message):
     rc, _ = _estimate(tmp_path, *args)
