@@ -74,7 +74,7 @@ def validate(suite: Suite, *, allow_faults: bool = False, source: str = "suite")
     for name, choices in (("device", DEVICES), ("dtype", DTYPES), ("batch_kind", BATCH_KINDS),
                           ("parity", PARITY_MODES), ("loss", LOSSES)):
         found.run(_check_choice, name, getattr(suite, name), choices)
-    for check in (_check_counts, _check_backends, _check_world, _check_budget):
+    for check in (_check_counts, _check_backends, _check_world, _check_budget, _check_mixed_precision):
         found.run(check, suite)
     found.run(_check_faults, suite, allow_faults)
     config = found.run(preset.config, suite.model_overrides) if preset is not None and not found.errors else None
@@ -83,6 +83,12 @@ def validate(suite: Suite, *, allow_faults: bool = False, source: str = "suite")
         found.run(_check_styles, suite, config)
     if found.errors:
         raise SuiteErrors(source, found.errors)
+
+
+def _check_mixed_precision(suite: Suite) -> None:
+    if suite.mixed_precision and suite.dtype != "bfloat16":
+        raise err("mixed_precision", True, f"FSDP2's mixed precision computes in bfloat16 over fp32 master weights, "
+                  f"but dtype = {suite.dtype!r}: set dtype = \"bfloat16\", or mixed_precision = false.")
 
 
 def _check_name(suite: Suite) -> None:
@@ -133,6 +139,7 @@ _SCALARS = {  # field -> (check, what to write)
     "keep_outputs": (lambda v: isinstance(v, bool), "true or false"),
     "loss": (lambda v: isinstance(v, str), 'a string, e.g. loss = "chunked"'),
     "activation_checkpointing": (lambda v: isinstance(v, bool), "true or false"),
+    "mixed_precision": (lambda v: isinstance(v, bool), "true or false"),
     "parity": (lambda v: isinstance(v, str), 'a string, e.g. parity = "auto"'),
     "timeout_s": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number of seconds"),
     "seed": (_is_int, "an integer, e.g. seed = 0"),

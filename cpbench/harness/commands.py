@@ -54,6 +54,8 @@ def register(subparsers) -> None:
     quick.add_argument("--batch-kind", default="plain", help="plain | packed | padded")
     quick.add_argument("--loss", default="full", help="full | chunked (the output projection and loss in chunks)")
     quick.add_argument("--recompute", action="store_true", help="activation checkpointing of every decoder layer")
+    quick.add_argument("--mixed-precision", action="store_true",
+                       help="FSDP2 mixed precision: fp32 master weights, bf16 compute (--dtype bfloat16)")
     quick.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                        help="a model config value (repeatable), e.g. max_position_embeddings=1048576")
     est.set_defaults(func=estimate_command)
@@ -149,6 +151,7 @@ def _quick_suite(args):
               "cp_sizes": _ints("--cp", args.cp), "attn_implementations": _names(args.attn),
               "cp_styles": _names(args.styles), "dtype": args.dtype, "device": args.device,
               "batch_kind": args.batch_kind, "loss": args.loss, "activation_checkpointing": args.recompute,
+              "mixed_precision": args.mixed_precision,
               "warmup_steps": 1, "measured_steps": 1}
     if args.world_size is not None:
         fields["world_size"] = args.world_size

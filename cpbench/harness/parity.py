@@ -182,7 +182,7 @@ def cache_path(cache_dir: Path, point, mode: str) -> Path:
     key = {
         "config": config.to_json_string(use_diff=False),
         "batch": {k: getattr(point, k) for k in ("seq_len", "batch_size", "batch_kind", "seed")},
-        "dtype": point.dtype, "attn_implementation": point.attn_implementation, "device": point.device,
+        "dtype": point.dtype, "mixed_precision": point.mixed_precision, "attn_implementation": point.attn_implementation, "device": point.device,
         "mode": mode, "versions": [torch.__version__, _transformers_version()],
     }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]

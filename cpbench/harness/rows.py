@@ -25,7 +25,7 @@ def base_row(point: Point, *, run_id: str, env: dict, budget: int | None, measur
     row = {c: spec[c] for c in (
         "suite", "model", "seq_len", "batch_size", "batch_kind", "cp_size", "fsdp_size", "dp_replicate_size",
         "world_size", "attn_implementation", "cp_style", "dtype", "device", "warmup_steps", "measured_steps",
-        "keep_outputs", "loss_mode", "activation_checkpointing", "parity_mode",
+        "keep_outputs", "loss_mode", "activation_checkpointing", "mixed_precision", "parity_mode",
     )}
     config = get_preset(point.preset).config(point.model_overrides)
     row.update(

@@ -7,6 +7,7 @@
   and gloo cannot run all-to-all on CUDA tensors);
 - in a projection (`cpbench estimate`), instead of the two above: a backend whose kernels cannot run on fake CPU
   tensors (flash-attn, flex_attention);
+- mixed precision on one rank: it is FSDP2's policy, and a 1-rank point is not sharded;
 - a point longer than a sequence at which the same configuration already ran out of memory: the longest
   length that fitted, per cp size, is then data in the table.
 """
@@ -41,7 +42,7 @@ class SkipRules:
 
     def why_skip(self, point: Point, *, projection: bool = False) -> str | None:
         """Why `point` is not run (measured, or `projection`: on fake tensors here), or None."""
-        checks = (self._style, self._backend) + ((self._projectable,) if projection else (self._kernels, self._devices))
+        checks = (self._style, self._backend, self._unsharded_mixed_precision) + ((self._projectable,) if projection else (self._kernels, self._devices))
         return next((why for why in (check(point) for check in checks) if why), None) or self._oom(point)
 
     @staticmethod
@@ -51,6 +52,13 @@ class SkipRules:
                     "run; project the sdpa points instead (on CUDA, sdpa runs the flash and memory-efficient kernels)")
         if point.attn_implementation == "flex_attention":
             return "a projection cannot run flex_attention's compiled kernels on fake tensors"
+        return None
+
+    @staticmethod
+    def _unsharded_mixed_precision(point: Point) -> str | None:
+        if point.mixed_precision and point.world_size == 1:
+            return ("mixed_precision is FSDP2's policy (fp32 master weights, bf16 compute) and a 1-rank point is not "
+                    "sharded: give the suite world_size >= 2 to compare cp 1 under FSDP")
         return None
 
     @staticmethod

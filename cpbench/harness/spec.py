@@ -43,6 +43,9 @@ class Suite:
     keep_outputs: bool = False  # True: the step keeps the whole output (logits) through backward (step.py)
     loss: str = "full"  # "chunked": the output projection and the loss chunk by chunk (cpbench.use_loss)
     activation_checkpointing: bool = False  # recompute every decoder layer in backward (transformers' own)
+    # FSDP2's mixed precision: fp32 weights, gradients and optimizer state (the master copy), compute in `dtype`
+    # (bfloat16), gradients reduced in fp32 (transformers' `fsdp_mixed_precision`). Needs FSDP: world_size > 1.
+    mixed_precision: bool = False
     parity: str = "auto"
     timeout_s: float = 300.0
     seed: int = 0
@@ -79,6 +82,7 @@ class Point:
     keep_outputs: bool
     loss_mode: str
     activation_checkpointing: bool
+    mixed_precision: bool = False
     parity_mode: str
     timeout_s: float
     seed: int
@@ -99,6 +103,8 @@ class Point:
             parts.append(f"{self.loss_mode}-loss")
         if self.activation_checkpointing:
             parts.append("recompute")
+        if self.mixed_precision:
+            parts.append("mixed-precision")
         return "/".join(parts) + (f"/{self.dtype}" if self.dtype != "float32" else "")
 
     @property
@@ -186,7 +192,8 @@ def _point(suite: Suite, model: str, cp: int, attn: str, style: str, seq_len: in
         dp_replicate_size=suite.dp_replicate_size, world_size=world, attn_implementation=attn, cp_style=style,
         dtype=suite.dtype, device=suite.device, warmup_steps=suite.warmup_steps,
         measured_steps=suite.measured_steps, keep_outputs=suite.keep_outputs, loss_mode=suite.loss,
-        activation_checkpointing=suite.activation_checkpointing, parity_mode=suite.parity, timeout_s=float(suite.timeout_s),
+        activation_checkpointing=suite.activation_checkpointing, mixed_precision=suite.mixed_precision,
+        parity_mode=suite.parity, timeout_s=float(suite.timeout_s),
         seed=suite.seed,
     )
     fault = next((f for pat, f in suite.faults.items() if fnmatch.fnmatchcase(p.point_id, pat)), None)

@@ -42,16 +42,25 @@ def build_model(point: Point, device) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     config = get_preset(point.preset).config(point.model_overrides)
+    # Mixed precision keeps fp32 master weights; FSDP2 casts them to the point's dtype for compute.
+    dtype = torch.float32 if point.mixed_precision else parity.DTYPES[point.dtype]
     torch.manual_seed(point.seed)
     if torch.device(device).type == "cuda":
         torch.cuda.manual_seed(point.seed)
     with torch.device(device):  # initialised where it runs: no host copy of a large model
         model = AutoModelForCausalLM.from_config(
-            config, dtype=parity.DTYPES[point.dtype], attn_implementation=point.attn_implementation
+            config, dtype=dtype, attn_implementation=point.attn_implementation
         )
     if point.activation_checkpointing:
         model.activation_checkpointing_enable()
     return model
+
+
+def build_reference_model(point: Point, device) -> torch.nn.Module:
+    """The unsharded reference: the point's model, computing in the point's dtype. Under mixed precision that is
+    the fp32 weights cast to it, as FSDP2 casts them for every forward."""
+    model = build_model(point, device)
+    return model.to(parity.DTYPES[point.dtype]) if point.mixed_precision else model
 
 
 def distribute(model: torch.nn.Module, point: Point, mesh=None, kernel_device: str | None = None) -> torch.nn.Module:
@@ -70,7 +79,7 @@ def _parallelize(model, point: Point, mesh, kernel_device):
     plan = {"model.layers.*.self_attn": point.cp_style} if point.cp_style != NO_STYLE else None
     config = cpbench.DistributedConfig(
         cp_size=point.cp_size, fsdp_size=point.fsdp_size, dp_replicate_size=point.dp_replicate_size, cp_plan=plan,
-        cp_kernel_device=kernel_device,
+        cp_kernel_device=kernel_device, fsdp_mixed_precision=point.mixed_precision,
     )
     return cpbench.parallelize(model, config, mesh=mesh)
 

@@ -139,7 +139,7 @@ def _parity(point: Point, ours: dict | None, capture_error: str | None, mode: st
 
 
 def _reference(point: Point, mode: str, device) -> dict:
-    model = step.build_model(point, device)
+    model = step.build_reference_model(point, device)
     batch = step.make_batch(point, model.config.vocab_size, device)
     out = step.forward(model, batch)
     out.loss.backward()

@@ -15,7 +15,7 @@ import pyarrow as pa
 # 3: a row is `measured` or `projected` (`measurement`); the step keeps only the loss through backward unless
 #    `keep_outputs`; the parity step is no longer tracked; `temporaries_bytes` and the collectives of one step
 #    (`comm_*`) are new.
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 MEASUREMENTS = ("measured", "projected")
 
 STATUSES = ("ok", "oom", "error", "timeout", "skipped")
@@ -51,6 +51,7 @@ COLUMNS: dict[str, tuple[pa.DataType, str]] = {
     "loss_mode": (pa.string(), "full (the model's logits) | chunked (the output projection and loss chunk by chunk; "
                   "no logits, so parity compares the loss and gradients)"),
     "activation_checkpointing": (pa.bool_(), "every decoder layer recomputed in backward"),
+    "mixed_precision": (pa.bool_(), "FSDP2 mixed precision: fp32 master weights and reduction, compute in `dtype`"),
     "keep_outputs": (pa.bool_(), "the step keeps the whole output (logits) through backward; false: only the loss, "
                      "as transformers' Trainer"),
     "parity_mode": (pa.string(), "full | projected | off"),
@@ -138,6 +139,7 @@ ARROW_SCHEMA = pa.schema(
 KEY_COLUMNS = (
     "model", "seq_len", "batch_size", "batch_kind", "cp_size", "fsdp_size", "dp_replicate_size",
     "attn_implementation", "cp_style", "dtype", "device", "keep_outputs", "loss_mode", "activation_checkpointing",
+    "mixed_precision",
 )
 
 

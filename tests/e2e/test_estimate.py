@@ -45,6 +45,8 @@ def matrix():
                       'attn_implementations = ["sdpa"]\ncp_styles = ["cp_ring_zigzag"]\n')
     points += _points('model = "tiny-qwen3"\nseq_lens = [256]\ncp_sizes = [2]\nactivation_checkpointing = true\n'
                       'batch_kind = "packed"\nattn_implementations = ["sdpa"]\ncp_styles = ["cp_ring_zigzag"]\n')
+    points += _points('model = "tiny-qwen3"\nseq_lens = [256]\ncp_sizes = [2]\nmixed_precision = true\n'  # fp32 masters
+                      'dtype = "bfloat16"\nattn_implementations = ["sdpa"]\ncp_styles = ["cp_ulysses"]\n')
     return points
 
 

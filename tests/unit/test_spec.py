@@ -70,6 +70,8 @@ def test_overrides_name_the_model():
     (BASE + 'memory_budget = "lots"\n', "memory_budget", "80GiB"),
     (BASE + "colour = 1\n", "unknown suite fields ['colour']", "Known fields"),
     (BASE + '[faults]\n"*" = "crash"\n', "faults", "--allow-faults"),
+    (BASE + "mixed_precision = true\n", "mixed_precision", 'set dtype = "bfloat16"'),
+    (BASE + 'mixed_precision = "yes"\n', "`mixed_precision` = 'yes'", "true or false"),
     # wrong types: each used to pass validation and fail later (a traceback, pyarrow, or after the launch)
     (BASE + "model_overrides = 3\n", "`model_overrides` = 3", "must be a table"),
     (BASE + 'world_size = "8"\n', "`world_size` = '8'", "must be an integer"),
@@ -191,3 +193,12 @@ def test_a_toml_syntax_error_names_the_file_and_the_line(tmp_path):
     path.write_text('name = "t"\nmodel = "tiny-qwen3"\nseq_lens = [128,\ncp_sizes = [1]\n')
     with pytest.raises(ValueError, match=r"broken\.toml: not valid TOML: .*line 4"):
         load_suite(path)
+
+
+def test_mixed_precision_points_are_named_and_one_rank_points_are_skipped_with_why():
+    from cpbench.harness.skips import SkipRules
+
+    points = load_suite("t.toml", text=BASE + 'mixed_precision = true\ndtype = "bfloat16"\n').points()
+    assert all(p.mixed_precision and "/mixed-precision/" in p.point_id for p in points)
+    reasons = {p.world_size: SkipRules().why_skip(p) for p in points}
+    assert "1-rank point is not sharded" in reasons[1] and reasons[2] is None
