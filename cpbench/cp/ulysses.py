@@ -4,6 +4,10 @@ sequence with its whole mask, all-to-all back (DeepSpeed-Ulysses).
 Each rank ends up with `heads / cp` query heads over all tokens, so any attention backend (eager, sdpa, flex,
 flash) runs unchanged with the model-built mask. k/v travel at the kv-head count; when there are fewer kv heads
 than ranks they are replicated first, so each rank still receives the kv head its query heads use.
+
+q, k and v travel in one all-to-all (each rank's share of the three packed side by side), and each arrives in
+the sequence's global order with one copy: the reordering of a zigzag layout's chunks is folded into the copy
+that lays the received heads out. Per layer: one all-to-all forward in, one out (and the same two in backward).
 """
 
 from __future__ import annotations
@@ -15,12 +19,36 @@ from .hf_compat import ModuleView, model_config
 from .layout import SequenceLayout
 
 
-def _seq_to_heads(x_bhsd: torch.Tensor, group, cp: int) -> torch.Tensor:
-    """[B, H, S/cp, D] (this rank's tokens) -> [B, H/cp, S, D] (this rank's heads, tokens in rank order)."""
-    b, h, s, d = x_bhsd.shape
-    send_cbhsd = x_bhsd.reshape(b, cp, h // cp, s, d).transpose(0, 1).contiguous()
-    recv_cbhsd = all_to_all(send_cbhsd, group)
-    return recv_cbhsd.permute(1, 2, 0, 3, 4).reshape(b, h // cp, cp * s, d)
+def _seq_to_heads(tensors: list[torch.Tensor], group, layout: SequenceLayout) -> list[torch.Tensor]:
+    """[B, Hx, S/cp, D] each (this rank's tokens) -> [B, Hx/cp, S, D] each (this rank's heads, all tokens in the
+    sequence's order, padding dropped), in one all-to-all."""
+    cp = layout.cp_size
+    b, _, s, d = tensors[0].shape
+    if any(x.shape[3] != d for x in tensors):  # a different v head dim: no packing along the heads
+        return [out for x in tensors for out in _seq_to_heads([x], group, layout)]
+    parts = [x.reshape(b, cp, x.shape[1] // cp, s, d).transpose(0, 1) for x in tensors]
+    recv_cbhsd = all_to_all(torch.cat(parts, dim=2), group)
+    return [_laid_out(piece, layout) for piece in recv_cbhsd.split([p.shape[2] for p in parts], dim=2)]
+
+
+def _laid_out(recv_cbhsd: torch.Tensor, layout: SequenceLayout) -> torch.Tensor:
+    """[cp, B, h, S/cp, D] (rank r's tokens at r) -> [B, h, S, D] in global order: one copy."""
+    cp, b, h, s, d = recv_cbhsd.shape
+    if layout.kind == "contiguous":
+        out = recv_cbhsd.permute(1, 2, 0, 3, 4).reshape(b, h, cp * s, d)
+    else:
+        n = layout.num_chunks // cp  # chunks per rank
+        by_chunk = recv_cbhsd.reshape(cp, b, h, n, s // n, d).permute(1, 2, 0, 3, 4, 5)
+        ranks, slots = _chunk_sources(layout, recv_cbhsd.device)
+        out = by_chunk[:, :, ranks, slots].reshape(b, h, cp * s, d)
+    return out[:, :, : layout.seq_len]
+
+
+def _chunk_sources(layout: SequenceLayout, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each global chunk: the rank that holds it and its position among that rank's chunks."""
+    where = {c: (r, j) for r in range(layout.cp_size) for j, c in enumerate(layout.chunks_of(r))}
+    ranks, slots = zip(*(where[c] for c in range(layout.num_chunks)))
+    return torch.tensor(ranks, device=device), torch.tensor(slots, device=device)
 
 
 def _heads_to_seq(y_bhsd: torch.Tensor, group, cp: int) -> torch.Tensor:
@@ -46,13 +74,6 @@ def _kv_for_heads(kv_bhsd: torch.Tensor, num_heads: int, cp: int) -> tuple[torch
     return kv_bhsd.repeat_interleave(num_heads // kv_heads, dim=1), num_heads // cp
 
 
-def _to_global_order(x_bhsd: torch.Tensor, layout: SequenceLayout) -> torch.Tensor:
-    """Tokens in rank order (as the all-to-all delivers them) -> global order, padding dropped."""
-    if layout.kind != "contiguous":
-        x_bhsd = x_bhsd.index_select(2, layout.inverse_rank_order(x_bhsd.device))
-    return x_bhsd[:, :, : layout.seq_len]
-
-
 def _to_layout_order(x_bhsd: torch.Tensor, layout: SequenceLayout) -> torch.Tensor:
     x_bhsd = layout.pad(x_bhsd, dim=2)
     if layout.kind != "contiguous":
@@ -64,11 +85,9 @@ def ulysses_attention(module, query, key, value, attention_mask, *, inner, group
     kwargs.pop("kernel_device", None)  # the model's own backend runs: it picks its kernels itself
     cp = layout.cp_size
     num_heads = query.shape[1]
-    q_bhsd = _to_global_order(_seq_to_heads(query, group, cp), layout)
     k_src, kv_local = _kv_for_heads(key, num_heads, cp)
     v_src, _ = _kv_for_heads(value, num_heads, cp)
-    k_bhsd = _to_global_order(_seq_to_heads(k_src, group, cp), layout)
-    v_bhsd = _to_global_order(_seq_to_heads(v_src, group, cp), layout)
+    q_bhsd, k_bhsd, v_bhsd = _seq_to_heads([query, k_src, v_src], group, layout)
 
     local = ModuleView(module, num_key_value_groups=(num_heads // cp) // kv_local, config=model_config(module))
     out_bshd, _ = inner(local, q_bhsd, k_bhsd, v_bhsd, attention_mask, **kwargs)
