@@ -34,6 +34,12 @@ def wants_cp(config) -> bool:
     return isinstance(config, DistributedConfig) and config.cp_size > 1
 
 
+def shards_with_cpbench(config) -> bool:
+    """A cpbench config that shards without CP (cp_size 1, FSDP over more than one rank): transformers' FSDP path,
+    with cpbench's fix for tied embeddings (`hf_compat.tie_embedded_tail`)."""
+    return isinstance(config, DistributedConfig) and config.cp_size == 1 and config.dp_size > 1
+
+
 def check_model_class(model_cls: type, model_type: str | None = None) -> None:
     if getattr(model_cls, "_supports_context_parallel", True) is False:
         raise ValueError(

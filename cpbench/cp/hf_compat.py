@@ -213,13 +213,19 @@ def install() -> None:
 
     def maybe_distribute_model(cls, model, distributed_config, mesh_manager):
         if not apply.wants_cp(distributed_config):
-            return _ORIGINAL["maybe"](cls, model, distributed_config, mesh_manager)
+            if not apply.shards_with_cpbench(distributed_config):
+                return _ORIGINAL["maybe"](cls, model, distributed_config, mesh_manager)
+            return _sharded(cls, model, distributed_config, mesh_manager)  # FSDP without CP, tied tail fixed
         plan = apply.resolve_for(model, distributed_config)
+        model = _sharded(cls, model, distributed_config, mesh_manager)  # FSDP2 over fsdp x cp
+        return apply.apply_context_parallel(model, mesh_manager, distributed_config, plan)
+
+    def _sharded(cls, model, distributed_config, mesh_manager):
         full_fsdp_plan = tie_embedded_tail(model, distributed_config, mesh_manager)
-        model = _ORIGINAL["maybe"](cls, model, distributed_config, mesh_manager)  # FSDP2 over fsdp x cp
+        model = _ORIGINAL["maybe"](cls, model, distributed_config, mesh_manager)
         if full_fsdp_plan is not None:
             model.fsdp_plan = full_fsdp_plan
-        return apply.apply_context_parallel(model, mesh_manager, distributed_config, plan)
+        return model
 
     DistributedMixin.prepare_distribute_model = classmethod(prepare_distribute_model)
     DistributedMixin.maybe_distribute_model = classmethod(maybe_distribute_model)

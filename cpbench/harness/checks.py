@@ -24,8 +24,9 @@ DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("cpu", "cuda")
 BATCH_KINDS = ("plain", "packed", "padded")
 PARITY_MODES = ("auto", "full", "projected", "off")
+REFERENCES = ("auto", "unsharded", "sharded")  # where the parity reference runs (see `Suite.reference`)
 LOSSES = ("full", "chunked")  # cpbench.cp.chunked_loss.LOSSES
-FAULTS = ("crash", "oom", "hang")  # injected by cpbench's own tests only (see `Suite.faults`)
+FAULTS = ("crash", "oom", "hang", "reference_crash")  # injected by cpbench's own tests only (see `Suite.faults`)
 NO_STYLE = "none"
 
 
@@ -72,7 +73,7 @@ def validate(suite: Suite, *, allow_faults: bool = False, source: str = "suite")
     if preset is not None:
         found.run(check_overrides, preset, suite.model_overrides)
     for name, choices in (("device", DEVICES), ("dtype", DTYPES), ("batch_kind", BATCH_KINDS),
-                          ("parity", PARITY_MODES), ("loss", LOSSES)):
+                          ("parity", PARITY_MODES), ("loss", LOSSES), ("reference", REFERENCES)):
         found.run(_check_choice, name, getattr(suite, name), choices)
     for check in (_check_counts, _check_backends, _check_world, _check_budget, _check_mixed_precision):
         found.run(check, suite)
@@ -141,6 +142,7 @@ _SCALARS = {  # field -> (check, what to write)
     "activation_checkpointing": (lambda v: isinstance(v, bool), "true or false"),
     "mixed_precision": (lambda v: isinstance(v, bool), "true or false"),
     "parity": (lambda v: isinstance(v, str), 'a string, e.g. parity = "auto"'),
+    "reference": (lambda v: isinstance(v, str), 'a string, e.g. reference = "sharded"'),
     "timeout_s": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number of seconds"),
     "seed": (_is_int, "an integer, e.g. seed = 0"),
     "memory_budget": (lambda v: v is None or isinstance(v, str) or _is_int(v), 'a size, e.g. "80GiB"'),

@@ -172,7 +172,7 @@ def _grad_error(g, r) -> float:
     return float((g - r).norm() / r.norm().clamp(min=1e-30))
 
 
-def cache_path(cache_dir: Path, point, mode: str) -> Path:
+def cache_path(cache_dir: Path, point, mode: str, reference: str = "unsharded") -> Path:
     """Keyed by what the reference computes from, not by names: the resolved model config (a preset's values
     may change under the same name), the batch, dtype, backend, device, mode, and the torch/transformers
     versions (seeded initialisation may change between versions)."""
@@ -184,6 +184,8 @@ def cache_path(cache_dir: Path, point, mode: str) -> Path:
         "batch": {k: getattr(point, k) for k in ("seq_len", "batch_size", "batch_kind", "seed")},
         "dtype": point.dtype, "mixed_precision": point.mixed_precision, "attn_implementation": point.attn_implementation, "device": point.device,
         "mode": mode, "versions": [torch.__version__, _transformers_version()],
+        # the sharded reference runs the point's loss (the unsharded one the full loss)
+        **({"reference": reference, "loss": point.loss_mode} if reference != "unsharded" else {}),
     }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     return Path(cache_dir) / f"reference-{digest}.pt"

@@ -57,7 +57,14 @@ class LaunchRecords:
         errors = sorted(self.folder.glob(f"{point.point_key}.rank*.error.json"))
         if not errors:
             return None
-        return {"kind": "outcome", "wall_s": wall_s, **failure([json.loads(e.read_text()) for e in errors])}
+        failed = failure([json.loads(e.read_text()) for e in errors])
+        measured = self.folder / f"{point.point_key}.measured.json"
+        if measured.exists():  # the step was measured; its parity reference failed: keep the measurements
+            records = json.loads(measured.read_text())
+            status = "reference_oom" if failed["status"] == "oom" else "error"
+            records[0]["parity"] = {"parity_status": status, "parity_detail": f"the reference failed: {failed['message']}"}
+            return {"kind": "records", "records": records, "wall_s": wall_s}
+        return {"kind": "outcome", "wall_s": wall_s, **failed}
 
 
 def failure(records: list[dict]) -> dict:

@@ -47,6 +47,10 @@ class Suite:
     # (bfloat16), gradients reduced in fp32 (transformers' `fsdp_mixed_precision`). Needs FSDP: world_size > 1.
     mixed_precision: bool = False
     parity: str = "auto"
+    # Where the parity reference runs: "unsharded" (rank 0 alone, the model on one device), "sharded" (every rank,
+    # FSDP over all of them, no CP, recompute on: for models larger than one device), "auto" (sharded when the
+    # parity mode resolves to projected, i.e. a large model, and the point has more than one rank).
+    reference: str = "auto"
     timeout_s: float = 300.0
     seed: int = 0
     memory_budget: str | None = None
@@ -84,6 +88,7 @@ class Point:
     activation_checkpointing: bool
     mixed_precision: bool = False
     parity_mode: str
+    reference: str = "auto"
     timeout_s: float
     seed: int
     fault: str | None = None
@@ -193,7 +198,7 @@ def _point(suite: Suite, model: str, cp: int, attn: str, style: str, seq_len: in
         dtype=suite.dtype, device=suite.device, warmup_steps=suite.warmup_steps,
         measured_steps=suite.measured_steps, keep_outputs=suite.keep_outputs, loss_mode=suite.loss,
         activation_checkpointing=suite.activation_checkpointing, mixed_precision=suite.mixed_precision,
-        parity_mode=suite.parity, timeout_s=float(suite.timeout_s),
+        parity_mode=suite.parity, reference=suite.reference, timeout_s=float(suite.timeout_s),
         seed=suite.seed,
     )
     fault = next((f for pat, f in suite.faults.items() if fnmatch.fnmatchcase(p.point_id, pat)), None)

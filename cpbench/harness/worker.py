@@ -4,15 +4,17 @@ Run by `cpbench sweep` through torch's launcher, or by any external torchrun:
 
     torchrun --nproc-per-node 2 -m cpbench.harness.worker --suite SUITE --point ID --records DIR
 
-Per point, in `DIR`: `<point_key>.started` (rank 0, when the point begins), then either
-`<point_key>.json` (every rank's record, gathered to rank 0 after the point) or, when a rank raises,
-`<point_key>.rank<r>.error.json` — and that rank exits at once, so a peer blocked in a collective is torn
-down by the launcher instead of hanging. The launcher's caller turns records into rows (`rows.py`).
+Per point, in `DIR`: `<point_key>.started` (rank 0, when the point begins), `<point_key>.measured.json` (every
+rank's measurements, gathered to rank 0 before the parity reference runs), then `<point_key>.json` (the same with
+rank 0's parity verdict) or, when a rank raises, `<point_key>.rank<r>.error.json` — and that rank exits at once,
+so a peer blocked in a collective is torn down by the launcher instead of hanging. A failure in the reference
+keeps the point's measurements (its parity says why). The launcher's caller turns records into rows (`rows.py`).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import gc
 import json
@@ -30,7 +32,7 @@ from cpbench.report.units import parse_bytes
 from . import parity, step
 from .capture import capture
 from .probes import StepTimer, memory_probe, reset_rss_peak, rss_peak_bytes
-from .spec import Point
+from .spec import NO_STYLE, Point
 
 
 def rank_env() -> tuple[int, int, int]:
@@ -52,8 +54,8 @@ def write_json(path: Path, data) -> None:
 def _inject(point: Point, model, rank: int) -> None:
     """Test-only faults (see `Suite.faults`) on the last rank. "crash" and "oom" raise inside the first forward, at
     the second decoder layer, after its peers have entered the step's collectives; "hang" blocks before it."""
-    if not point.fault or rank != point.world_size - 1:
-        return
+    if point.fault not in ("crash", "oom", "hang") or rank != point.world_size - 1:
+        return  # "reference_crash" fires in the sharded reference (`_sharded_reference`)
     while point.fault == "hang":
         time.sleep(3600)
     kind = torch.OutOfMemoryError if point.fault == "oom" else RuntimeError
@@ -67,7 +69,15 @@ def _inject(point: Point, model, rank: int) -> None:
     layers[0].register_forward_pre_hook(fail)
 
 
-def run_point(point: Point, *, rank: int, device, budget: int | None, cache_dir: Path) -> dict:
+def run_point(point: Point, *, rank: int, device, budget: int | None, cache_dir: Path | None) -> dict:
+    """This rank's record of the point, rank 0's with its parity verdict (every rank of the point calls it)."""
+    record, side = measure_point(point, rank=rank, device=device, budget=budget)
+    verdict = reference_phase(point, side, rank=rank, device=device, cache_dir=cache_dir)
+    return {**record, "parity": verdict} if rank == 0 else record
+
+
+def measure_point(point: Point, *, rank: int, device, budget: int | None) -> tuple[dict, dict]:
+    """The point's measurements (this rank's record) and what its parity needs (`reference_phase`)."""
     reset_rss_peak()
     t_start = time.perf_counter()
     model = step.distribute(step.build_model(point, device), point)
@@ -104,10 +114,54 @@ def run_point(point: Point, *, rank: int, device, budget: int | None, cache_dir:
     del model, optimizer, probe
     gc.collect()
     if device.type == "cuda":
-        torch.cuda.empty_cache()  # room for the unsharded reference
-    if rank == 0:
-        record["parity"] = _parity(point, ours, capture_error, mode, device, cache_dir)
-    return record
+        torch.cuda.empty_cache()  # room for the reference
+    return record, {"ours": ours, "capture_error": capture_error, "mode": mode}
+
+
+def sharded_reference(point: Point, mode: str) -> bool:
+    """Whether the reference runs on every rank (FSDP, no CP) rather than unsharded on rank 0."""
+    if point.world_size == 1 or mode == "off":
+        return False
+    return point.reference == "sharded" or (point.reference == "auto" and mode == "projected")
+
+
+def reference_phase(point: Point, side: dict, *, rank: int, device, cache_dir: Path) -> dict | None:
+    """Rank 0's parity columns (None on other ranks). Unsharded: rank 0 alone, its peers wait. Sharded: every rank
+    runs the reference step together (a failure there raises, and the point keeps its measurements)."""
+    mode, ours, capture_error = side["mode"], side["ours"], side["capture_error"]
+    if not sharded_reference(point, mode):
+        return _parity(point, ours, capture_error, mode, device, cache_dir) if rank == 0 else None
+    path = parity.cache_path(cache_dir, point, mode, reference="sharded")
+    ref = parity.load_cached(path) if rank == 0 else None
+    cached, ref_error = [ref is not None], None
+    dist.broadcast_object_list(cached, src=0)
+    if not cached[0]:
+        ref, ref_error = _sharded_reference(point, mode, device, rank)
+        if rank == 0 and ref is not None:
+            parity.save_cached(path, ref)
+    if rank != 0:
+        return None
+    why = capture_error or (f"the sharded reference: {ref_error}" if ref is None else None)
+    if why is not None:
+        return {"parity_status": "error", "parity_detail": why, "parity_reference": "sharded"}
+    return {**parity.compare(ours, ref, point.dtype, point.world_size), "parity_reference": "sharded"}
+
+
+def _sharded_reference(point: Point, mode: str, device, rank: int) -> tuple[dict | None, str | None]:
+    """The same step without CP: FSDP over every rank, each with the whole batch (so the mean of their gradients
+    is the batch's), every decoder layer recomputed, the point's loss and precision."""
+    ref_point = dataclasses.replace(point, cp_size=1, fsdp_size=point.world_size, dp_replicate_size=1,
+                                    cp_style=NO_STYLE, activation_checkpointing=True, fault=None)
+    if point.fault == "reference_crash" and rank == point.world_size - 1:
+        raise torch.OutOfMemoryError(f"injected reference_crash in {point.point_id} (suite [faults] table)")
+    model = step.distribute(step.build_reference_model(ref_point, device), ref_point)
+    batch = step.make_batch(ref_point, model.config.vocab_size, device)
+    out = step.forward(model, batch)
+    out.loss.backward()
+    summary, error = capture(model, out, batch, ref_point, mode, rank)
+    del model, out
+    gc.collect()
+    return summary, error
 
 
 def build_model_meta(point: Point) -> torch.nn.Module:
@@ -120,19 +174,20 @@ def _parity(point: Point, ours: dict | None, capture_error: str | None, mode: st
     if mode == "off":
         return {"parity_status": "skipped", "parity_detail": "parity = \"off\" in the suite"}
     if capture_error is not None:
-        return {"parity_status": "error", "parity_detail": capture_error}
+        return {"parity_status": "error", "parity_detail": capture_error, "parity_reference": "unsharded"}
     try:
         path = parity.cache_path(cache_dir, point, mode)
         ref = parity.load_cached(path)
         if ref is None:
             ref = _reference(point, mode, device)
             parity.save_cached(path, ref)
-        return parity.compare(ours, ref, point.dtype, point.world_size)
+        return {**parity.compare(ours, ref, point.dtype, point.world_size), "parity_reference": "unsharded"}
     except torch.OutOfMemoryError as e:
-        return {"parity_status": "reference_oom", "parity_detail": f"the unsharded reference ran out of memory: {e}"}
+        return {"parity_status": "reference_oom", "parity_detail": f"the unsharded reference ran out of memory: {e} "
+                "(a suite's reference = \"sharded\" runs it over every rank)", "parity_reference": "unsharded"}
     except Exception as e:  # noqa: BLE001 - recorded in parity_detail; the point keeps its measurements
         return {"parity_status": "error", "parity_detail": f"parity reference or comparison failed: "
-                f"{type(e).__name__}: {e}"[:2000]}
+                f"{type(e).__name__}: {e}"[:2000], "parity_reference": "unsharded"}
     finally:
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -177,14 +232,18 @@ def run_points(points: list[Point], records_dir: Path, *, budget: int | None, ca
         if rank == 0:
             write_json(records_dir / f"{point.point_key}.started", {"point_id": point.point_id, "t": time.time()})
         try:
-            record = run_point(point, rank=rank, device=device, budget=budget, cache_dir=cache_dir)
+            record, side = measure_point(point, rank=rank, device=device, budget=budget)
+            gathered = [None] * world
+            dist.all_gather_object(gathered, record)
+            if rank == 0:
+                write_json(records_dir / f"{point.point_key}.measured.json", gathered)
+            verdict = reference_phase(point, side, rank=rank, device=device, cache_dir=cache_dir)
         except BaseException as e:  # noqa: BLE001 - recorded with its message, then this rank exits
             write_json(records_dir / f"{point.point_key}.rank{rank}.error.json", _error_record(rank, e))
             sys.stdout.flush()
             os._exit(1)
-        gathered = [None] * world
-        dist.all_gather_object(gathered, record)
         if rank == 0:
+            gathered[0]["parity"] = verdict
             write_json(records_dir / f"{point.point_key}.json", gathered)
         if _over_budget(gathered, budget):
             oom_families.add(point.family_key)

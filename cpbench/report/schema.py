@@ -105,6 +105,7 @@ COLUMNS: dict[str, tuple[pa.DataType, str]] = {
     # parity against the unsharded reference of the same weights and batch
     "parity_status": (pa.string(), "pass | fail | reference_oom | error | skipped"),
     "parity_detail": (pa.string(), "why parity is not pass, or null"),
+    "parity_reference": (pa.string(), "where the reference ran: unsharded (rank 0 alone) | sharded (FSDP, no CP)"),
     "loss": (pa.float64(), "loss of the first step"),
     "ref_loss": (pa.float64(), "reference loss"),
     "loss_rel_err": (pa.float64(), "|loss - ref_loss| / |ref_loss|"),
