@@ -41,6 +41,20 @@ def test_a_cuda_point_records_allocator_nvml_and_parity(tmp_path):
     assert row["device"] == "cuda" and row["tflops_per_s"] > 0
 
 
+@pytest.mark.parametrize("extra", ['loss = "chunked"', "activation_checkpointing = true",
+                                   'loss = "chunked"\nactivation_checkpointing = true'])
+def test_the_long_context_options_pass_parity_on_cuda(tmp_path, extra):
+    """The chunked loss and recompute on the CUDA path (one GPU: cp 1), against the unsharded full-loss run."""
+    suite = tmp_path / "gpu-smoke.toml"
+    suite.write_text(SUITE + extra + "\n")
+    cmd = [sys.executable, "-m", "cpbench", "sweep", str(suite), "--out", str(tmp_path), "--run-name", "t",
+           "--no-progress"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    row = pd.read_parquet(tmp_path / "gpu-smoke" / "t" / "runs.parquet").iloc[0]
+    assert row["status"] == "ok" and row["parity_status"] == "pass", row["parity_detail"]
+
+
 def test_ring_block_kernel_on_cuda_matches_plain_attention():
     from cpbench.cp.ring_kernels import TorchKernel
     from cpbench.cp.ring_masks import CAUSAL, TileMask
