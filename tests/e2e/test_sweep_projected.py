@@ -21,20 +21,38 @@ parity = "projected"
 """
 
 
-def _cp2_projected_parity(text: str, cache: str) -> dict | None:
+def _cp2_projected_parity(texts: list[str], cache: str) -> list[dict | None]:
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
-    point = load_suite("t.toml", text=text).points()[-1]
-    record = worker.run_point(point, rank=dist.get_rank(), device=torch.device("cpu"), budget=None,
-                              cache_dir=cache)
-    return record.get("parity")
+    out = []
+    for text in texts:
+        point = load_suite("t.toml", text=text).points()[-1]
+        record = worker.run_point(point, rank=dist.get_rank(), device=torch.device("cpu"), budget=None,
+                                  cache_dir=cache)
+        out.append(record.get("parity"))
+    return out
 
 
-@pytest.mark.parametrize("style", ["cp_ring_zigzag", "cp_ulysses"])
-def test_projected_cp2_gathers_only_the_selected_positions_and_matches(spawn, tmp_path, style):
+# Both points in one launch. Zigzag takes the default reference (`auto`: sharded, as for a large model in
+# projected mode); Ulysses the unsharded one on rank 0.
+CASES = {"cp_ring_zigzag": "auto", "cp_ulysses": "unsharded"}
+
+
+@pytest.fixture(scope="module")
+def verdicts(tmp_path_factory):
+    from tests.spawn import run_ranks
+
+    texts = [SUITE + f'cp_styles = ["{style}"]\nreference = "{ref}"\n' for style, ref in CASES.items()]
+    rank0, rank1 = run_ranks(_cp2_projected_parity, 2, texts, str(tmp_path_factory.mktemp("cache")))
+    assert rank1 == [None, None]
+    return dict(zip(CASES, rank0))
+
+
+@pytest.mark.parametrize("style", list(CASES))
+def test_projected_cp2_gathers_only_the_selected_positions_and_matches(verdicts, style):
     # 250 tokens: zigzag pads to 252, so the last rank's slice is short; 64 of the 250 positions are compared
-    text = SUITE + f'cp_styles = ["{style}"]\n'
-    rank0, rank1 = spawn(_cp2_projected_parity, 2, text, str(tmp_path))
-    assert rank1 is None and rank0["parity_status"] == "pass", rank0
-    assert rank0["logits_max_err"] < rank0["logits_atol"]
+    r = verdicts[style]
+    assert r["parity_status"] == "pass", r
+    assert r["logits_max_err"] < r["logits_atol"]
+    assert r["parity_reference"] == ("sharded" if CASES[style] == "auto" else "unsharded")
