@@ -20,13 +20,19 @@ from torch.utils.checkpoint import checkpoint
 
 IGNORE_INDEX = -100
 CHUNK_BYTES = 1 << 28  # fp32 logits of one chunk: 256 MiB (441 tokens of a 152k vocabulary)
-LOSSES = ("full", "chunked")
+LOSSES = ("full", "chunked", "liger")  # "liger": Liger-Kernel's fused kernels (liger_loss.py), an optional extra
 
 
 def check_loss(loss: str) -> None:
     if loss not in LOSSES:
         raise ValueError(f"loss={loss!r} is not one of {list(LOSSES)}: 'full' computes the whole logits (out.logits "
-                         "is set), 'chunked' never holds them (out.logits is None).")
+                         "is set), 'chunked' never holds them (out.logits is None), 'liger' is 'chunked' by "
+                         "Liger-Kernel's fused CUDA kernels.")
+    if loss == "liger":
+        from .liger_loss import INSTALL_HINT, liger_loss_class
+
+        if liger_loss_class() is None:
+            raise ImportError(INSTALL_HINT)
 
 
 def _chunk_sum(hidden_nh: torch.Tensor, weight_vh: torch.Tensor, targets_n: torch.Tensor, softcap) -> torch.Tensor:
@@ -71,8 +77,12 @@ class HeadInput:
         finally:
             handle.remove()
 
-    def loss_sum(self, targets_bs: torch.Tensor, config) -> torch.Tensor:
+    def loss_sum(self, targets_bs: torch.Tensor, config, loss: str = "chunked") -> torch.Tensor:
         if self.hidden is None:
-            raise RuntimeError("the model's forward did not call its output projection; loss='chunked' needs it.")
+            raise RuntimeError(f"the model's forward did not call its output projection; loss={loss!r} needs it.")
         softcap = getattr(config, "final_logit_softcapping", None)
+        if loss == "liger":
+            from .liger_loss import liger_cross_entropy_sum
+
+            return liger_cross_entropy_sum(self.hidden, self.head.weight, targets_bs, softcap)
         return chunked_cross_entropy_sum(self.hidden, self.head.weight, targets_bs, softcap)

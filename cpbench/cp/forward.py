@@ -25,7 +25,7 @@ class ForwardState:
     def __init__(self, make_layout):
         self.make_layout = make_layout
         self.layout: SequenceLayout | None = None
-        self.loss = "full"  # or "chunked" (chunked_loss.py); set by `cpbench.use_loss`
+        self.loss = "full"  # or "chunked" (chunked_loss.py), "liger" (liger_loss.py); set by `cpbench.use_loss`
 
     @contextlib.contextmanager
     def active(self, layout: SequenceLayout):
@@ -86,12 +86,13 @@ def wrap_forward(model, state: ForwardState, group, *, causal_lm: bool):
         given = signature.bind_partial(input_ids, *args, **kwargs).arguments  # the mask may come positionally
         facts = BatchFacts(seq_len, given.get("attention_mask"), given.get("position_ids"))
         layout = state.make_layout(seq_len, facts=facts)
-        head = HeadInput(model) if causal_lm and labels is not None and state.loss == "chunked" else None
+        head = HeadInput(model) if causal_lm and labels is not None and state.loss != "full" else None
         with state.active(layout), (head.capture() if head else contextlib.nullcontext()):
             out = forward(input_ids, *args, **kwargs)
         if head is not None:
             targets = shift_and_cut_labels(labels.to(head.hidden.device), layout)
-            loss = whole_sequence_mean(head.loss_sum(targets, model.config), targets, group, num_items_in_batch)
+            total = head.loss_sum(targets, model.config, state.loss)
+            loss = whole_sequence_mean(total, targets, group, num_items_in_batch)
             fields = {"logits": None, "loss": loss}
         elif causal_lm:
             fields = {"logits": _trim(out.logits, layout)}

@@ -25,7 +25,7 @@ DEVICES = ("cpu", "cuda")
 BATCH_KINDS = ("plain", "packed", "padded")
 PARITY_MODES = ("auto", "full", "projected", "off")
 REFERENCES = ("auto", "unsharded", "sharded")  # where the parity reference runs (see `Suite.reference`)
-LOSSES = ("full", "chunked")  # cpbench.cp.chunked_loss.LOSSES
+LOSSES = ("full", "chunked", "liger")  # cpbench.cp.chunked_loss.LOSSES
 FAULTS = ("crash", "oom", "hang", "reference_crash")  # injected by cpbench's own tests only (see `Suite.faults`)
 NO_STYLE = "none"
 

@@ -7,6 +7,7 @@
   and gloo cannot run all-to-all on CUDA tensors);
 - in a projection (`cpbench estimate`), instead of the two above: a backend whose kernels cannot run on fake CPU
   tensors (flash-attn, flex_attention);
+- loss = "liger" where Liger-Kernel cannot run: not installed, not CUDA, or a projection (Triton on fake tensors);
 - mixed precision on one rank: it is FSDP2's policy, and a 1-rank point is not sharded;
 - a point longer than a sequence at which the same configuration already ran out of memory: the longest
   length that fitted, per cp size, is then data in the table.
@@ -14,6 +15,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 from .spec import NO_STYLE, Point
@@ -42,7 +44,9 @@ class SkipRules:
 
     def why_skip(self, point: Point, *, projection: bool = False) -> str | None:
         """Why `point` is not run (measured, or `projection`: on fake tensors here), or None."""
-        checks = (self._style, self._backend, self._unsharded_mixed_precision) + ((self._projectable,) if projection else (self._kernels, self._devices))
+        liger = functools.partial(self._liger, projection=projection)
+        checks = (self._style, self._backend, self._unsharded_mixed_precision, liger)
+        checks += (self._projectable,) if projection else (self._kernels, self._devices)
         return next((why for why in (check(point) for check in checks) if why), None) or self._oom(point)
 
     @staticmethod
@@ -52,6 +56,19 @@ class SkipRules:
                     "run; project the sdpa points instead (on CUDA, sdpa runs the flash and memory-efficient kernels)")
         if point.attn_implementation == "flex_attention":
             return "a projection cannot run flex_attention's compiled kernels on fake tensors"
+        return None
+
+    @staticmethod
+    def _liger(point: Point, projection: bool) -> str | None:
+        if point.loss_mode != "liger":
+            return None
+        if projection:
+            return ("a projection cannot run Liger-Kernel's Triton kernels on fake tensors; project loss = \"chunked\", "
+                    "the same computation in torch (close in memory: both hold one chunk's logits at a time)")
+        if point.device != "cuda":
+            return "loss = \"liger\" runs Liger-Kernel's Triton kernels, CUDA only; use loss = \"chunked\" on CPU"
+        if importlib.util.find_spec("liger_kernel") is None:
+            return "loss = \"liger\" needs Liger-Kernel, not installed here: pip install 'cpbench[liger]'"
         return None
 
     @staticmethod
