@@ -2,7 +2,7 @@
 
 Every rank runs the same collectives (the logits gather, each gradient's `full_tensor`), so what goes wrong on
 rank 0 while summarizing cannot leave a peer blocked; the unsharded reference it is compared with is the
-worker's (`worker._reference`).
+reference's (`reference.py`).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from cpbench.harness import parity, presets, worker
+from cpbench.harness import parity, presets, reference, worker
 from cpbench.harness.spec import load_suite
 
 SUITE = """
@@ -121,7 +121,7 @@ def test_a_failing_reference_keeps_the_measurements(monkeypatch, tmp_path, exc, 
     def boom(*a, **k):
         raise exc
 
-    monkeypatch.setattr(worker, "_reference", boom)
+    monkeypatch.setattr(reference, "_reference", boom)
     record = _run(tmp_path)
     assert record["status"] == "ok" and record["peak_bytes"] > 0 and record["step_times_s"]
     assert record["parity"]["parity_status"] == status and str(exc) in record["parity"]["parity_detail"]
