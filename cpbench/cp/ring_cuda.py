@@ -9,7 +9,8 @@ as PyTorch's own context parallelism does, in the model's dtype:
   alignment agree.
 - DENSE tiles (padding, packed documents, partial sliding windows), fp32 inputs and larger head dims: the
   memory-efficient kernel (`_scaled_dot_product_efficient_attention`), with the tile's mask as an additive bias in
-  the query's dtype (one [B, 1, q, k] bias per masked tile; no scores are kept).
+  the query's dtype; a masked tile runs in blocks of query rows whose [B, 1, rows, k] bias stays within 256 MiB
+  (no scores are kept, and no tile-sized bias exists).
 - Logit soft-capping, fp64 and eager's fully blocked rows (`TileMask.uniform`): `TorchKernel`, exact.
 
 Both fused kernels take the merged (final) output and LSE in backward, as the ring needs: the tile's gradients
@@ -33,10 +34,11 @@ FLASH_DTYPES = (torch.float16, torch.bfloat16)
 FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FLASH_MAX_HEAD_DIM = 256
 LSE_ALIGN = 32  # the efficient kernel's LSE is [B, H, ceil(S / 32) * 32] (see torch's meta registration)
+BIAS_BLOCK_BYTES = 1 << 28  # a masked tile runs in row blocks whose bias is at most this (256 MiB)
 
 
 class CudaSdpaKernel:
-    def __init__(self, ops=None):
+    def __init__(self, ops=None, bias_block_bytes: int = BIAS_BLOCK_BYTES):
         aten = torch.ops.aten
         self.ops = ops or {
             "flash": aten._scaled_dot_product_flash_attention,
@@ -45,6 +47,7 @@ class CudaSdpaKernel:
             "efficient_backward": aten._scaled_dot_product_efficient_attention_backward,
         }
         self.softcap = None  # the selector sends soft-capped models to TorchKernel
+        self.bias_block_bytes = bias_block_bytes
         self._exact = TorchKernel()
 
     @staticmethod
@@ -68,13 +71,14 @@ class CudaSdpaKernel:
         g = h // k.shape[1]
         out = torch.empty(b, h, sq, d, dtype=acc, device=q.device)
         lse = torch.empty(b, h, sq, dtype=acc, device=q.device)
-        bias = _bias(tile, q.dtype)
-        for j, heads in _groups(k.shape[1], g):
-            o, l, *_ = self.ops["efficient"](q[:, heads], _expand(k, j, g), _expand(v, j, g), _heads(bias, heads, g),
-                                             True, 0.0, tile.kind == CAUSAL, scale=scale)
-            out[:, heads] = o
-            lse[:, heads] = l[..., :sq]
-            del o, l
+        for rows, bias in self._row_blocks(tile, q.dtype, sq, k.shape[2]):
+            n = rows.stop - rows.start
+            for j, heads in _groups(k.shape[1], g):
+                o, l, *_ = self.ops["efficient"](q[:, heads, rows], _expand(k, j, g), _expand(v, j, g),
+                                                 _heads(bias, heads, g), True, 0.0, tile.kind == CAUSAL, scale=scale)
+                out[:, heads, rows] = o
+                lse[:, heads, rows] = l[..., :n]
+                del o, l
         if tile.kind == DENSE:
             lse.masked_fill_(~tile.allowed.any(-1), float("-inf"))  # a row that sees no key: -inf for the merge
         return out, lse
@@ -96,19 +100,33 @@ class CudaSdpaKernel:
             dv += gv
             return None
         g = q.shape[1] // k.shape[1]
-        bias = _bias(tile, q.dtype)
-        for j, heads in _groups(k.shape[1], g):
-            lj = torch.nn.functional.pad(lse[:, heads], (0, -sq % LSE_ALIGN))
-            seed, offset = _philox(q.device, flash=False)
-            gq, gk, gv = self.ops["efficient_backward"](
-                dout[:, heads], q[:, heads], _expand(k, j, g), _expand(v, j, g), _heads(bias, heads, g), out[:, heads],
-                lj, seed, offset, 0.0, [True, True, True, False], causal, scale=scale,
-            )[:3]
-            dq[:, heads] += gq
-            dk[:, j] += gk.sum(1, dtype=dk.dtype)  # the group's shares, summed in the accumulation dtype
-            dv[:, j] += gv.sum(1, dtype=dv.dtype)
-            del gq, gk, gv
+        for rows, bias in self._row_blocks(tile, q.dtype, sq, k.shape[2]):
+            n = rows.stop - rows.start
+            for j, heads in _groups(k.shape[1], g):
+                lj = torch.nn.functional.pad(lse[:, heads, rows], (0, -n % LSE_ALIGN))
+                seed, offset = _philox(q.device, flash=False)
+                gq, gk, gv = self.ops["efficient_backward"](
+                    dout[:, heads, rows], q[:, heads, rows], _expand(k, j, g), _expand(v, j, g),
+                    _heads(bias, heads, g), out[:, heads, rows], lj, seed, offset, 0.0, [True, True, True, False],
+                    causal, scale=scale,
+                )[:3]
+                dq[:, heads, rows] += gq
+                dk[:, j] += gk.sum(1, dtype=dk.dtype)  # the group's shares, summed in the accumulation dtype
+                dv[:, j] += gv.sum(1, dtype=dv.dtype)
+                del gq, gk, gv
         return None
+
+    def _row_blocks(self, tile: TileMask, dtype: torch.dtype, sq: int, sk: int):
+        """(query rows, their bias or None): a masked tile in blocks of rows whose bias stays within
+        `bias_block_bytes`, so no tile-sized bias exists at long context; any other tile whole, without a bias."""
+        if tile.kind != DENSE:
+            yield slice(0, sq), None
+            return
+        per_row = tile.allowed.shape[0] * tile.allowed.shape[1] * (sk + 16) * dtype.itemsize
+        step = max(1, self.bias_block_bytes // per_row)
+        for start in range(0, sq, step):
+            rows = slice(start, min(start + step, sq))
+            yield rows, _bias(TileMask(DENSE, tile.allowed[..., rows, :]), dtype)
 
 
 def _groups(kv_heads: int, g: int):

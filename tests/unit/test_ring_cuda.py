@@ -143,19 +143,25 @@ class Counted:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("kv_heads", [H, 2])
-@pytest.mark.parametrize("name", ["full", "causal", "dense"])
+@pytest.mark.parametrize("name", ["full", "causal", "dense", "dense-in-row-blocks"])
 def test_fused_kernels_glue_matches_the_exact_kernel(name, kv_heads, dtype):
-    tile = tiles()[name]
+    tile = tiles()[name.split("-")[0]]
     g = torch.Generator().manual_seed(1)
     q, dout = (torch.randn(B, H, Q, D, generator=g).to(dtype) for _ in range(2))
     k, v = (torch.randn(B, kv_heads, Q, D, generator=g).to(dtype) for _ in range(2))
     ops = Counted()
-    kernel = CudaSdpaKernel(ops)
+    blocks = 1
+    if name == "dense-in-row-blocks":  # a bias budget of 4 rows: the 6-row tile runs as rows 0-3, then 4-5
+        per_row = B * (Q + 16) * dtype.itemsize
+        kernel, blocks = CudaSdpaKernel(ops, bias_block_bytes=4 * per_row), 2
+    else:
+        kernel = CudaSdpaKernel(ops)
     out, lse, accs = run_kernel(kernel, q, k, v, dout, tile)
     ref_out, ref_lse, ref_accs = run_kernel(TorchKernel(), q, k, v, dout, tile)
 
-    route = "flash" if dtype == torch.bfloat16 and name != "dense" else "efficient"
-    calls = 1 if route == "flash" else kv_heads  # flash: one call (GQA as it is); efficient: one per kv head
+    route = "flash" if dtype == torch.bfloat16 and not name.startswith("dense") else "efficient"
+    # flash: one call (GQA as it is); efficient: one per kv head and row block
+    calls = 1 if route == "flash" else kv_heads * blocks
     assert ops.calls[route] == ops.calls[f"{route}_backward"] == calls
     assert sum(ops.calls.values()) == 2 * calls
     assert out.dtype == lse.dtype == acc_dtype(dtype)
