@@ -95,3 +95,20 @@ def test_ring_flash_attn_kernel_matches_the_matmul_kernel(kind):
     for got, ref in zip(*grads):
         # Gradients sum 256 bf16 products per entry: allow a few bf16 eps relative to the largest value.
         torch.testing.assert_close(got, ref, rtol=0, atol=8 * 3.9e-3 * ref.abs().max().item())
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices (one per rank)")
+def test_mixed_precision_and_the_sharded_reference_on_two_gpus(tmp_path):
+    """cp 2 over NCCL: FSDP2 mixed precision (fp32 masters, bf16 compute), the ring's fused CUDA kernels, and the
+    parity verdict from the sharded reference (FSDP over both GPUs, no CP)."""
+    suite = tmp_path / "gpu-smoke.toml"
+    text = SUITE.replace("cp_sizes = [1]", "cp_sizes = [2]").replace('cp_styles = ["cp_ulysses"]',
+                                                                     'cp_styles = ["cp_ring_zigzag"]')
+    suite.write_text(text + 'mixed_precision = true\nreference = "sharded"\n')
+    cmd = [sys.executable, "-m", "cpbench", "sweep", str(suite), "--out", str(tmp_path), "--run-name", "t",
+           "--no-progress"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    row = pd.read_parquet(tmp_path / "gpu-smoke" / "t" / "runs.parquet").iloc[0]
+    assert row["status"] == "ok" and row["parity_status"] == "pass", row["parity_detail"]
+    assert row["parity_reference"] == "sharded" and row["mixed_precision"]
