@@ -3,7 +3,8 @@
 flash-attn computes a FULL tile (no mask) or a CAUSAL tile (the diagonal, top-left = bottom-right aligned since
 the tile is square) and returns the LSE; its backward takes the final output and LSE, as the ring needs. Tiles
 with an explicit mask (padding, packed documents, a partial sliding window) have no flash-attn form without
-unpadding, so they go to the exact `TorchKernel`, as do head dims above flash-attn's 256. Uses flash-attn's
+unpadding, so they go to PyTorch's fused memory-efficient kernel with a bias (`ring_cuda.CudaSdpaKernel`), or to the
+exact `TorchKernel` with logit soft-capping, as do head dims above flash-attn's 256. Uses flash-attn's
 private `_flash_attn_forward` / `_flash_attn_backward` (the flash-attn >= 2.7 signatures, with separate
 window_size_left/right); the import is guarded. CPU CI runs this glue against a strict emulation of those two
 functions (tests/unit/test_ring_flash.py); no CI job runs the real kernels yet.
@@ -47,7 +48,11 @@ def flash_kernel_or_none(query: torch.Tensor, softcap: float | None, device_type
     if (device_type or query.device.type) != "cuda" or query.dtype not in FLASH_DTYPES:
         return None
     ops = _flash_ops()
-    return None if ops is None else FlashAttnKernel(*ops, softcap=softcap)
+    if ops is None:
+        return None
+    from .ring_cuda import CudaSdpaKernel
+
+    return FlashAttnKernel(*ops, softcap=softcap, masked=None if softcap else CudaSdpaKernel())
 
 
 def _bshd(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -59,10 +64,11 @@ def _bshd(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 class FlashAttnKernel:
-    def __init__(self, fwd, bwd, softcap: float | None = None):
+    def __init__(self, fwd, bwd, softcap: float | None = None, masked=None):
+        """`masked`: the kernel for the tiles flash-attn cannot take (default: the exact `TorchKernel`)."""
         self._fwd, self._bwd = fwd, bwd
         self.softcap = softcap
-        self._fallback = TorchKernel(softcap)
+        self._fallback = masked or TorchKernel(softcap)
 
     @staticmethod
     def _serves(q: torch.Tensor, tile: TileMask) -> bool:

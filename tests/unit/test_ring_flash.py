@@ -19,6 +19,7 @@ import torch
 
 from cpbench.cp import ring_flash
 from cpbench.cp.ring_flash import FlashAttnKernel, flash_kernel_or_none
+from cpbench.cp.ring_cuda import CudaSdpaKernel
 from cpbench.cp.ring_kernels import CpuSdpaKernel, TorchKernel, acc_dtype, select_kernel
 from cpbench.cp.ring_masks import CAUSAL, DENSE, FULL, TileMask
 
@@ -225,6 +226,9 @@ def test_flash_kernel_only_for_cuda_half_precision(monkeypatch):
     monkeypatch.setattr(ring_flash, "_flash_ops", lambda: (flash_fwd, flash_bwd))
     assert isinstance(flash_kernel_or_none(query("cuda", torch.bfloat16), 2.0), FlashAttnKernel)
     assert flash_kernel_or_none(query("cuda", torch.bfloat16), 2.0).softcap == 2.0
+    # tiles flash-attn cannot take: the fused sdpa kernels, or the exact one under soft-capping
+    assert isinstance(flash_kernel_or_none(query("cuda", torch.bfloat16), None)._fallback, CudaSdpaKernel)
+    assert isinstance(flash_kernel_or_none(query("cuda", torch.bfloat16), 2.0)._fallback, TorchKernel)
     assert flash_kernel_or_none(query("cuda", torch.float32), None) is None
     assert flash_kernel_or_none(query("cpu", torch.bfloat16), None) is None
     assert flash_kernel_or_none(torch.zeros(1, 1, 1, 8), None) is None
