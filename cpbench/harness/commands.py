@@ -167,12 +167,12 @@ def _override(text: str) -> str:
 
     key, sep, value = text.partition("=")
     try:
-        if not sep or not key.strip().isidentifier():
-            raise tomllib.TOMLDecodeError("no KEY=")
-        tomllib.loads(f"v = {value}")
+        valid = bool(sep) and key.strip().isidentifier() and tomllib.loads(f"v = {value}") is not None
     except tomllib.TOMLDecodeError:
+        valid = False
+    if not valid:
         raise ValueError(f"--override {text!r}: write KEY=VALUE with a TOML value, e.g. "
-                         "max_position_embeddings=1048576 or rope_scaling_type=\"linear\"") from None
+                         "max_position_embeddings=1048576 or rope_scaling_type=\"linear\"")
     return f"{key.strip()} = {value.strip()}"
 
 

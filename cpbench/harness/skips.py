@@ -15,7 +15,6 @@
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 
 from .spec import NO_STYLE, Point
@@ -44,8 +43,7 @@ class SkipRules:
 
     def why_skip(self, point: Point, *, projection: bool = False) -> str | None:
         """Why `point` is not run (measured, or `projection`: on fake tensors here), or None."""
-        liger = functools.partial(self._liger, projection=projection)
-        checks = (self._style, self._backend, self._unsharded_mixed_precision, liger)
+        checks = (self._style, self._backend, self._unsharded_mixed_precision)
         checks += (self._projectable,) if projection else (self._kernels, self._devices)
         return next((why for why in (check(point) for check in checks) if why), None) or self._oom(point)
 
@@ -56,19 +54,9 @@ class SkipRules:
                     "run; project the sdpa points instead (on CUDA, sdpa runs the flash and memory-efficient kernels)")
         if point.attn_implementation == "flex_attention":
             return "a projection cannot run flex_attention's compiled kernels on fake tensors"
-        return None
-
-    @staticmethod
-    def _liger(point: Point, projection: bool) -> str | None:
-        if point.loss_mode != "liger":
-            return None
-        if projection:
+        if point.loss_mode == "liger":
             return ("a projection cannot run Liger-Kernel's Triton kernels on fake tensors; project loss = \"chunked\", "
                     "the same computation in torch (close in memory: both hold one chunk's logits at a time)")
-        if point.device != "cuda":
-            return "loss = \"liger\" runs Liger-Kernel's Triton kernels, CUDA only; use loss = \"chunked\" on CPU"
-        if importlib.util.find_spec("liger_kernel") is None:
-            return "loss = \"liger\" needs Liger-Kernel, not installed here: pip install 'cpbench[liger]'"
         return None
 
     @staticmethod
@@ -100,6 +88,11 @@ class SkipRules:
 
     @staticmethod
     def _kernels(point: Point) -> str | None:
+        if point.loss_mode == "liger":
+            if point.device != "cuda":
+                return "loss = \"liger\" runs Liger-Kernel's Triton kernels, CUDA only; use loss = \"chunked\" on CPU"
+            if importlib.util.find_spec("liger_kernel") is None:
+                return "loss = \"liger\" needs Liger-Kernel, not installed here: pip install 'cpbench[liger]'"
         package = KERNEL_PACKAGES.get(point.attn_implementation)
         if package is None or importlib.util.find_spec(package) is not None:
             return None

@@ -26,14 +26,19 @@ timeout_s = 300
 """
 
 
-def test_a_cuda_point_records_allocator_nvml_and_parity(tmp_path):
+def _sweep_one(tmp_path, text: str, timeout: int = 600):
+    """`cpbench sweep` of a one-point suite in a fresh process; its row."""
     suite = tmp_path / "gpu-smoke.toml"
-    suite.write_text(SUITE)
+    suite.write_text(text)
     cmd = [sys.executable, "-m", "cpbench", "sweep", str(suite), "--out", str(tmp_path), "--run-name", "t",
            "--no-progress"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    row = pd.read_parquet(tmp_path / "gpu-smoke" / "t" / "runs.parquet").iloc[0]
+    return pd.read_parquet(tmp_path / "gpu-smoke" / "t" / "runs.parquet").iloc[0]
+
+
+def test_a_cuda_point_records_allocator_nvml_and_parity(tmp_path):
+    row = _sweep_one(tmp_path, SUITE)
     assert row["status"] == "ok", row["status_detail"]
     assert row["peak_bytes"] > 0 and row["reserved_bytes"] >= row["peak_bytes"]
     assert row["device_peak_bytes"] >= row["reserved_bytes"]  # NVML sees the whole device allocation
@@ -45,13 +50,7 @@ def test_a_cuda_point_records_allocator_nvml_and_parity(tmp_path):
                                    'loss = "chunked"\nactivation_checkpointing = true'])
 def test_the_long_context_options_pass_parity_on_cuda(tmp_path, extra):
     """The chunked loss and recompute on the CUDA path (one GPU: cp 1), against the unsharded full-loss run."""
-    suite = tmp_path / "gpu-smoke.toml"
-    suite.write_text(SUITE + extra + "\n")
-    cmd = [sys.executable, "-m", "cpbench", "sweep", str(suite), "--out", str(tmp_path), "--run-name", "t",
-           "--no-progress"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    row = pd.read_parquet(tmp_path / "gpu-smoke" / "t" / "runs.parquet").iloc[0]
+    row = _sweep_one(tmp_path, SUITE + extra + "\n")
     assert row["status"] == "ok" and row["parity_status"] == "pass", row["parity_detail"]
 
 
@@ -101,14 +100,8 @@ def test_ring_flash_attn_kernel_matches_the_matmul_kernel(kind):
 def test_mixed_precision_and_the_sharded_reference_on_two_gpus(tmp_path):
     """cp 2 over NCCL: FSDP2 mixed precision (fp32 masters, bf16 compute), the ring's fused CUDA kernels, and the
     parity verdict from the sharded reference (FSDP over both GPUs, no CP)."""
-    suite = tmp_path / "gpu-smoke.toml"
     text = SUITE.replace("cp_sizes = [1]", "cp_sizes = [2]").replace('cp_styles = ["cp_ulysses"]',
                                                                      'cp_styles = ["cp_ring_zigzag"]')
-    suite.write_text(text + 'mixed_precision = true\nreference = "sharded"\n')
-    cmd = [sys.executable, "-m", "cpbench", "sweep", str(suite), "--out", str(tmp_path), "--run-name", "t",
-           "--no-progress"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    row = pd.read_parquet(tmp_path / "gpu-smoke" / "t" / "runs.parquet").iloc[0]
+    row = _sweep_one(tmp_path, text + 'mixed_precision = true\nreference = "sharded"\n', timeout=900)
     assert row["status"] == "ok" and row["parity_status"] == "pass", row["parity_detail"]
     assert row["parity_reference"] == "sharded" and row["mixed_precision"]

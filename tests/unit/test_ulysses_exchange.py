@@ -22,17 +22,21 @@ def test_every_rank_gets_its_heads_of_q_k_v_over_the_whole_sequence(monkeypatch,
 
     sends, calls = {}, []
 
-    def fake_all_to_all(x, group):  # chunk i of dim 0 goes to rank i; records every rank's send first
+    def record_send(x, group):  # first pass: every rank's packed send buffer, as `_seq_to_heads` builds it
+        sends[group] = x
+        return torch.zeros_like(x)
+
+    def fake_all_to_all(x, group):  # second pass: chunk i of dim 0 goes to rank i
         calls.append(x.shape)
         return torch.stack([sends[src][group] for src in range(cp)])
 
+    monkeypatch.setattr(ulysses, "all_to_all", record_send)
+    for src in range(cp):
+        ulysses._seq_to_heads(shards[src], src, layouts[src])  # `group` stands for the rank here
     monkeypatch.setattr(ulysses, "all_to_all", fake_all_to_all)
-    for src in range(cp):  # the packed send buffer of each rank, as `_seq_to_heads` builds it
-        parts = [x.reshape(b, cp, x.shape[1] // cp, -1, d).transpose(0, 1) for x in shards[src]]
-        sends[src] = torch.cat(parts, dim=2)
     for rank, lay in enumerate(layouts):
         calls.clear()
-        q, k, v = ulysses._seq_to_heads(shards[rank], rank, lay)  # `group` stands for the receiving rank here
+        q, k, v = ulysses._seq_to_heads(shards[rank], rank, lay)
         assert len(calls) == 1  # one all-to-all for q, k and v together
         for got, x in zip((q, k, v), full):
             n = x.shape[1] // cp
