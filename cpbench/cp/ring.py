@@ -171,6 +171,7 @@ def ring_attention(
         is_causal=getattr(module, "is_causal", True), position_ids=kwargs.get("position_ids"),
         sliding_window=kwargs.get("sliding_window"), eager=implementation == "eager",
         batch=layout.facts.get() if layout.facts is not None else None,
+        varlen=bool(getattr(kernel, "takes_segments", lambda q: False)(query)),
     )
     scale = kwargs.get("scaling")
     scale = query.shape[-1] ** -0.5 if scale is None else scale

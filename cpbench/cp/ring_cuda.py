@@ -7,7 +7,10 @@ as PyTorch's own context parallelism does, in the model's dtype:
 - FULL and CAUSAL tiles in fp16/bf16 (head dim <= 256): the flash kernel (`_scaled_dot_product_flash_attention`
   and its backward). A ring's CAUSAL tile is square, where flash's bottom-right and the usual top-left causal
   alignment agree.
-- DENSE tiles (padding, packed documents, partial sliding windows), fp32 inputs and larger head dims: the
+- SEGMENTS tiles in fp16/bf16 (packed documents, padded keys and sliding windows that flash's varlen form says;
+  see ring_segments.py): the flash kernel's variable-length form (`_flash_attention_forward` with cu_seqlens and
+  window sizes, and its backward), no mask tensor.
+- DENSE tiles (the masks varlen cannot say), fp32 inputs and larger head dims: the
   memory-efficient kernel (`_scaled_dot_product_efficient_attention`), with the tile's mask as an additive bias in
   the query's dtype; a masked tile runs in blocks of query rows whose [B, 1, rows, k] bias stays within 256 MiB
   (no scores are kept, and no tile-sized bias exists).
@@ -28,7 +31,8 @@ from __future__ import annotations
 import torch
 
 from .ring_kernels import TorchKernel, acc_dtype, safe_lse
-from .ring_masks import CAUSAL, DENSE, TileMask
+from .ring_masks import CAUSAL, DENSE, SEGMENTS, TileMask
+from .ring_segments import VarlenOps, varlen_backward, varlen_forward
 
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -45,14 +49,24 @@ class CudaSdpaKernel:
             "flash_backward": aten._scaled_dot_product_flash_attention_backward,
             "efficient": aten._scaled_dot_product_efficient_attention,
             "efficient_backward": aten._scaled_dot_product_efficient_attention_backward,
+            "varlen": aten._flash_attention_forward,
+            "varlen_backward": aten._flash_attention_backward,
         }
         self.softcap = None  # the selector sends soft-capped models to TorchKernel
         self.bias_block_bytes = bias_block_bytes
         self._exact = TorchKernel()
+        self._varlen = VarlenOps(self._varlen_forward, self._varlen_backward)
+
+    @staticmethod
+    def takes_segments(q: torch.Tensor) -> bool:
+        """Whether this layer's masked tiles can come as SEGMENTS (the flash kernel's dtypes and head dims)."""
+        return q.dtype in FLASH_DTYPES and q.shape[-1] <= FLASH_MAX_HEAD_DIM
 
     @staticmethod
     def route(q: torch.Tensor, tile: TileMask) -> str:
-        """"flash", "efficient" or "torch": which kernel serves this tile."""
+        """"flash", "varlen", "efficient" or "torch": which kernel serves this tile."""
+        if tile.kind == SEGMENTS:
+            return "varlen"
         if tile.uniform is not None or q.dtype not in FUSED_DTYPES:
             return "torch"
         if tile.kind != DENSE and q.dtype in FLASH_DTYPES and q.shape[-1] <= FLASH_MAX_HEAD_DIM:
@@ -64,6 +78,8 @@ class CudaSdpaKernel:
         if route == "torch":
             return self._exact.forward(q, k, v, tile, scale)
         acc = acc_dtype(q.dtype)
+        if route == "varlen":
+            return varlen_forward(self._varlen, q, k, v, tile.segments, scale, acc)
         if route == "flash":  # GQA natively: one call for all heads
             out, lse, *_ = self.ops["flash"](q, k, v, 0.0, tile.kind == CAUSAL, False, scale=scale)
             return out.to(acc), lse.to(acc)
@@ -87,6 +103,8 @@ class CudaSdpaKernel:
         route = self.route(q, tile)
         if route == "torch":
             return self._exact.backward(dout, q, k, v, out, lse, tile, scale, dq, dk, dv)
+        if route == "varlen":
+            return varlen_backward(self._varlen, dout, q, k, v, out, lse, tile.segments, scale, dq, dk, dv)
         sq = q.shape[2]
         lse = safe_lse(lse).float()
         causal = tile.kind == CAUSAL
@@ -115,6 +133,16 @@ class CudaSdpaKernel:
                 dv[:, j] += gv.sum(1, dtype=dv.dtype)
                 del gq, gk, gv
         return None
+
+    def _varlen_forward(self, q, k, v, cu_q, cu_k, max_q, max_k, causal, left, right, scale):
+        out, lse, *_ = self.ops["varlen"](q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale,
+                                          **_window(left, right))
+        return out, lse
+
+    def _varlen_backward(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, left, right, scale):
+        seed, offset = _philox(q.device)
+        return self.ops["varlen_backward"](dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0, causal, seed,
+                                           offset, scale=scale, **_window(left, right))[:3]
 
     def _row_blocks(self, tile: TileMask, dtype: torch.dtype, sq: int, sk: int):
         """(query rows, their bias or None): a masked tile in blocks of rows whose bias stays within
@@ -159,6 +187,11 @@ def _heads(bias: torch.Tensor | None, heads: slice, g: int) -> torch.Tensor | No
     if bias.shape[1] != 1:
         return bias[:, heads]
     return bias.expand(bias.shape[0], g, *bias.shape[2:])
+
+
+def _window(left: int, right: int) -> dict:
+    """aten's window arguments: None is unbounded (flash-attn's -1)."""
+    return {"window_size_left": None if left < 0 else left, "window_size_right": None if right < 0 else right}
 
 
 def _philox(device, flash: bool = True):

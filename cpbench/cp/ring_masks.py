@@ -19,7 +19,9 @@ give such rows output 0, as the ring does by default.
 
 Positions >= seq_len are the layout's padding: no query attends to them and their own rows attend to nothing.
 A tile is SKIP (nothing visible: not computed), FULL (everything visible: no mask needed), CAUSAL (the
-diagonal tile of a plain causal mask: the kernel's own causal flag) or DENSE (an explicit bool mask).
+diagonal tile of a plain causal mask: the kernel's own causal flag), SEGMENTS (for a kernel with flash's varlen
+form, asked for with `varlen`: a masked tile as documents and a window, no mask tensor; see ring_segments.py) or
+DENSE (an explicit bool mask).
 A mask the ring cannot express is refused with a ValueError, never dropped.
 """
 
@@ -30,8 +32,9 @@ from dataclasses import dataclass
 import torch
 
 from .batch_mask import BatchMask, Runs
+from .ring_segments import Segments, segments_of
 
-SKIP, FULL, CAUSAL, DENSE = "skip", "full", "causal", "dense"
+SKIP, FULL, CAUSAL, DENSE, SEGMENTS = "skip", "full", "causal", "dense", "segments"
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,7 @@ class TileMask:
     kind: str
     allowed: torch.Tensor | None = None  # bool [B or 1, H or 1, q, k], True = attend; only for DENSE
     uniform: torch.Tensor | None = None  # bool [B or 1, H or 1, q]: rows that see every key with score 0 (eager)
+    segments: Segments | None = None  # only for SEGMENTS
 
 
 @dataclass(frozen=True, eq=False)
@@ -54,6 +58,7 @@ class RingMasks:
     blocked: tuple[Runs, ...] = ()  # per row, query runs that see no key (only kept with eager semantics)
     uniform_rows: torch.Tensor | None = None  # bool [B or 1, 1, S]: those rows as a tensor
     dense: torch.Tensor | None = None  # a caller's whole 4-D mask [B or 1, H or 1, S, S]
+    varlen: bool = False  # the kernel takes SEGMENTS tiles
 
     def tile(self, q_start: int, k_start: int, length: int) -> TileMask:
         if q_start >= self.seq_len or k_start >= self.seq_len:
@@ -68,7 +73,13 @@ class RingMasks:
             rows = self.uniform_rows[..., q_start : q_start + length]
             return self._with_uniform_rows(self._allowed(q_start, k_start, length), rows, k_start, length)
         kind = self._kind(q_start, k_start, length)
-        return TileMask(DENSE, self._allowed(q_start, k_start, length)) if kind == DENSE else TileMask(kind)
+        if kind != DENSE:
+            return TileMask(kind)
+        if self.varlen:
+            seg = segments_of(self.batch, self.seq_len, self.causal, self.window, q_start, k_start, length)
+            if seg is not None:
+                return TileMask(SEGMENTS, segments=seg)
+        return TileMask(DENSE, self._allowed(q_start, k_start, length))
 
     def _with_uniform_rows(self, allowed: torch.Tensor, rows: torch.Tensor, k0: int, n: int) -> TileMask:
         rows = torch.cat([rows, rows.new_zeros(*rows.shape[:2], n - rows.shape[-1])], -1)  # layout padding rows
@@ -215,10 +226,12 @@ def build_ring_masks(
     sliding_window: int | None = None,
     batch: BatchMask | None = None,
     eager: bool = False,
+    varlen: bool = False,
 ) -> RingMasks:
     """The `RingMasks` of one layer's call. With the forward's `batch` facts the model's own mask (built from the
     same inputs) is not read; without them they come from `attention_mask` (2-D or None) and `position_ids`, or a
-    4-D `attention_mask` is sliced. `eager`: rows that see no key are uniform, as in eager attention."""
+    4-D `attention_mask` is sliced. `eager`: rows that see no key are uniform, as in eager attention. `varlen`: the
+    kernel takes SEGMENTS tiles."""
     window = _check_window(sliding_window, is_causal)
     device = torch.device(device)
     if batch is None:
@@ -238,9 +251,9 @@ def build_ring_masks(
         batch = BatchMask.from_inputs(seq_len, attention_mask, position_ids)
     blocked = _blocked_queries(batch, is_causal, window) if eager and batch.pads else ()
     if not any(blocked):
-        return RingMasks(seq_len, padded_len, is_causal, device, window, batch)
+        return RingMasks(seq_len, padded_len, is_causal, device, window, batch, varlen=varlen)
     uniform = _uniform_tensor(blocked, seq_len, device)
-    return RingMasks(seq_len, padded_len, is_causal, device, window, batch, blocked, uniform)
+    return RingMasks(seq_len, padded_len, is_causal, device, window, batch, blocked, uniform, varlen=varlen)
 
 
 def _dense_masks(mask: torch.Tensor, seq_len: int, padded_len: int, causal: bool, device, window) -> RingMasks:

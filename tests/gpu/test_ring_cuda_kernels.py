@@ -50,3 +50,41 @@ def test_fused_ops_match_the_exact_kernel_on_cuda(name, kv_heads, dtype):
         err = ((got.double() - want.double()).abs().max() / want.double().abs().max()).item()
         assert err <= tol, f"{what}: {err:.3g} > {tol:.3g}"
     assert torch.equal(torch.isneginf(lse), torch.isneginf(ref[1]))
+
+
+@pytest.mark.parametrize("case", ["packed", "left-padded", "window"])
+def test_varlen_segments_match_the_exact_kernel_on_cuda(case):
+    """SEGMENTS tiles through aten's flash op with cu_seqlens and window sizes, against the exact kernel on the same
+    tile's dense mask (the CPU twin is tests/unit/test_ring_segments.py)."""
+    from cpbench.cp.ring_masks import SEGMENTS, build_ring_masks
+
+    s, n = 512, 256
+    kwargs = {
+        "packed": {"position_ids": torch.cat([torch.arange(100), torch.arange(300), torch.arange(112)])[None]},
+        "left-padded": {"attention_mask": torch.cat([torch.zeros(2, 40), torch.ones(2, s - 40)], 1).long()},
+        "window": {"sliding_window": 96},
+    }[case]
+    kwargs = {key: value.cuda() if torch.is_tensor(value) else value for key, value in kwargs.items()}
+    lean = build_ring_masks(kwargs.pop("attention_mask", None), seq_len=s, padded_len=s, device="cuda",
+                            varlen=True, **kwargs)
+    dense = build_ring_masks(None, seq_len=s, padded_len=s, device="cuda", batch=lean.batch,
+                             sliding_window=lean.window)
+    g = torch.Generator(device="cuda").manual_seed(2)
+    q, dout = (torch.randn(B, H, n, D, device="cuda", generator=g).bfloat16() for _ in range(2))
+    k, v = (torch.randn(B, 2, n, D, device="cuda", generator=g).bfloat16() for _ in range(2))
+    seen = 0
+    for q0, k0 in ((0, 0), (n, 0), (n, n)):
+        tile = lean.tile(q0, k0, n)
+        if tile.kind != SEGMENTS:
+            continue
+        seen += 1
+        exact, ref_tile = TorchKernel(), dense.tile(q0, k0, n)
+        ref = exact.forward(q, k, v, ref_tile, D**-0.5)
+        out, lse, grads = _run(CudaSdpaKernel(), q, k, v, dout, tile, D**-0.5, ref)
+        _, _, ref_grads = _run(exact, q, k, v, dout, ref_tile, D**-0.5, ref)
+        tol = 4 * torch.finfo(torch.bfloat16).eps  # bf16 out and gradients, as above
+        for got, want, what in ((out, ref[0], "out"), *zip(grads, ref_grads, ("dq", "dk", "dv"))):
+            err = ((got.double() - want.double()).abs().max() / max(want.double().abs().max().item(), 1.0)).item()
+            assert err <= tol, f"{case} tile ({q0}, {k0}) {what}: {err:.3g} > {tol:.3g}"
+        assert torch.equal(torch.isneginf(lse), torch.isneginf(ref[1]))
+    assert seen, f"{case}: no tile came as SEGMENTS"

@@ -186,9 +186,13 @@ def test_head_dims_flash_attn_cannot_take_are_padded_or_left_to_torch(head_dim):
 def _fake_flash_attn(monkeypatch, fwd, bwd=flash_bwd):
     package, interface = types.ModuleType("flash_attn"), types.ModuleType("flash_attn.flash_attn_interface")
     interface._flash_attn_forward, interface._flash_attn_backward = fwd, bwd
+    interface._flash_attn_varlen_forward, interface._flash_attn_varlen_backward = VARLEN
     package.flash_attn_interface = interface
     monkeypatch.setitem(sys.modules, "flash_attn", package)
     monkeypatch.setitem(sys.modules, "flash_attn.flash_attn_interface", interface)
+
+
+VARLEN = (object(), object())  # flash-attn's varlen pair: only looked up here (test_ring_segments.py runs them)
 
 
 def _old_fwd(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_softmax):
@@ -205,7 +209,7 @@ def _custom_op_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p:
 def test_flash_ops_accepts_flash_attn_2_7_and_refuses_older(monkeypatch):
     for fwd in (flash_fwd, _custom_op_fwd):
         _fake_flash_attn(monkeypatch, fwd)
-        assert ring_flash._flash_ops() == (fwd, flash_bwd)
+        assert ring_flash._flash_ops() == (fwd, flash_bwd, *VARLEN)
     _fake_flash_attn(monkeypatch, _old_fwd)
     with pytest.raises(ValueError, match=r"flash-attn >= 2\.7.*attn_implementation='sdpa'"):
         ring_flash._flash_ops()
@@ -223,7 +227,7 @@ def query(device, dtype):
 
 
 def test_flash_kernel_only_for_cuda_half_precision(monkeypatch):
-    monkeypatch.setattr(ring_flash, "_flash_ops", lambda: (flash_fwd, flash_bwd))
+    monkeypatch.setattr(ring_flash, "_flash_ops", lambda: (flash_fwd, flash_bwd, *VARLEN))
     assert isinstance(flash_kernel_or_none(query("cuda", torch.bfloat16), 2.0), FlashAttnKernel)
     assert flash_kernel_or_none(query("cuda", torch.bfloat16), 2.0).softcap == 2.0
     # tiles flash-attn cannot take: the fused sdpa kernels, or the exact one under soft-capping
