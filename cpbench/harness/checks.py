@@ -25,6 +25,7 @@ DEVICES = ("cpu", "cuda")
 BATCH_KINDS = ("plain", "packed", "padded")
 PARITY_MODES = ("auto", "full", "projected", "off")
 REFERENCES = ("auto", "unsharded", "sharded")  # where the parity reference runs (see `Suite.reference`)
+LEVELS = ("model", "attention")  # what a point runs: the model's training step, or one attention op (attention_level.py)
 LOSSES = ("full", "chunked", "liger")  # cpbench.cp.chunked_loss.LOSSES
 FAULTS = ("crash", "oom", "hang", "reference_crash")  # injected by cpbench's own tests only (see `Suite.faults`)
 NO_STYLE = "none"
@@ -73,9 +74,11 @@ def validate(suite: Suite, *, allow_faults: bool = False, source: str = "suite")
     if preset is not None:
         found.run(check_overrides, preset, suite.model_overrides)
     for name, choices in (("device", DEVICES), ("dtype", DTYPES), ("batch_kind", BATCH_KINDS),
-                          ("parity", PARITY_MODES), ("loss", LOSSES), ("reference", REFERENCES)):
+                          ("parity", PARITY_MODES), ("loss", LOSSES), ("reference", REFERENCES),
+                          ("level", LEVELS)):
         found.run(_check_choice, name, getattr(suite, name), choices)
-    for check in (_check_counts, _check_backends, _check_world, _check_budget, _check_mixed_precision):
+    for check in (_check_counts, _check_backends, _check_world, _check_budget, _check_mixed_precision,
+                  _check_implementations):
         found.run(check, suite)
     found.run(_check_faults, suite, allow_faults)
     config = found.run(preset.config, suite.model_overrides) if preset is not None and not found.errors else None
@@ -84,6 +87,28 @@ def validate(suite: Suite, *, allow_faults: bool = False, source: str = "suite")
         found.run(_check_styles, suite, config)
     if found.errors:
         raise SuiteErrors(source, found.errors)
+
+
+def _check_implementations(suite: Suite) -> None:
+    """Peers run the attention op alone; the model-level settings mean nothing to it."""
+    from .peers import CPBENCH, PEERS
+
+    for name in suite.implementations:
+        _check_choice("implementations", name, sorted(PEERS))
+        if name != CPBENCH and suite.level != "attention":
+            raise err("implementations", name, "peers run at level = \"attention\" (the attention op alone, forward "
+                      "+ backward): set level = \"attention\", or keep implementations = [\"cpbench\"].")
+    if suite.level == "attention":
+        model_only = {"batch_kind": ("plain", suite.batch_kind), "loss": ("full", suite.loss),
+                      "activation_checkpointing": (False, suite.activation_checkpointing),
+                      "mixed_precision": (False, suite.mixed_precision), "keep_outputs": (False, suite.keep_outputs),
+                      "fsdp_size": (1, suite.fsdp_size), "dp_replicate_size": (1, suite.dp_replicate_size)}
+        for name, (default, value) in model_only.items():
+            if value != default:
+                raise err(name, value, f"is a model-level setting; level = \"attention\" runs one causal attention op "
+                          f"on plain sequences: drop it (or set {name} = {default!r}).")
+        if suite.world_size is not None:
+            raise err("world_size", suite.world_size, "level = \"attention\" runs on cp_size ranks: drop world_size.")
 
 
 def _check_mixed_precision(suite: Suite) -> None:
@@ -147,9 +172,10 @@ _SCALARS = {  # field -> (check, what to write)
     "seed": (_is_int, "an integer, e.g. seed = 0"),
     "memory_budget": (lambda v: v is None or isinstance(v, str) or _is_int(v), 'a size, e.g. "80GiB"'),
     "faults": (lambda v: isinstance(v, dict), "a table of point-id glob = fault"),
+    "level": (lambda v: isinstance(v, str), 'a string, e.g. level = "attention"'),
 }
 _LISTS = {"seq_lens": _is_int, "cp_sizes": _is_int, "attn_implementations": lambda v: isinstance(v, str),
-          "cp_styles": lambda v: isinstance(v, str)}
+          "cp_styles": lambda v: isinstance(v, str), "implementations": lambda v: isinstance(v, str)}
 
 
 def _check_scalar(suite: Suite, name: str) -> None:

@@ -40,6 +40,12 @@ PRESETS: dict[str, Preset] = {
         ),
         Preset("tiny-llama", "llama", dict(_TINY), "cpbench: a 2-layer Llama for CPU sweeps"),
         Preset(
+            "attention-h8-d64", "llama",
+            {**_TINY, "num_hidden_layers": 1, "num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 64,
+             "max_position_embeddings": 131072},
+            "cpbench: the attention shape of the peers suites (8 heads, head dim 64), for level = \"attention\"",
+        ),
+        Preset(
             "tiny-mistral", "mistral", {**_TINY, "sliding_window": 64},
             "cpbench: a 2-layer Mistral with a 64-token sliding window",
         ),

@@ -25,13 +25,20 @@ def base_row(point: Point, *, run_id: str, env: dict, budget: int | None, measur
     row = {c: spec[c] for c in (
         "suite", "model", "seq_len", "batch_size", "batch_kind", "cp_size", "fsdp_size", "dp_replicate_size",
         "world_size", "attn_implementation", "cp_style", "dtype", "device", "warmup_steps", "measured_steps",
-        "keep_outputs", "loss_mode", "activation_checkpointing", "mixed_precision", "parity_mode",
+        "keep_outputs", "loss_mode", "activation_checkpointing", "mixed_precision", "parity_mode", "level",
+        "implementation",
     )}
     config = get_preset(point.preset).config(point.model_overrides)
+    if point.level == "attention":
+        from .attention_level import attention_flops
+
+        flops = attention_flops(point)
+    else:
+        flops = float(train_step_flops(config, point.seq_len, point.batch_size * _dp(point)))
     row.update(
         schema_version=SCHEMA_VERSION, measurement=measurement, run_id=run_id, point_id=point.point_id, point_key=point.point_key,
         model_type=config.model_type, spec_json=json.dumps(spec, sort_keys=True), memory_budget_bytes=budget,
-        flops_per_step=float(train_step_flops(config, point.seq_len, point.batch_size * _dp(point))),
+        flops_per_step=flops,
         timestamp=now_iso(), **env,
     )
     return row

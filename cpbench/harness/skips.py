@@ -9,6 +9,8 @@
   tensors (flash-attn, flex_attention);
 - loss = "liger" where Liger-Kernel cannot run: not installed, not CUDA, or a projection (Triton on fake tensors);
 - mixed precision on one rank: it is FSDP2's policy, and a 1-rank point is not sharded;
+- a peer implementation (peers.py) that is not installed or cannot run on the point's device; in a projection,
+  every attention-level point (`cpbench estimate` projects the model step);
 - a point longer than a sequence at which the same configuration already ran out of memory: the longest
   length that fitted, per cp size, is then data in the table.
 """
@@ -44,11 +46,19 @@ class SkipRules:
     def why_skip(self, point: Point, *, projection: bool = False) -> str | None:
         """Why `point` is not run (measured, or `projection`: on fake tensors here), or None."""
         checks = (self._style, self._backend, self._unsharded_mixed_precision)
-        checks += (self._projectable,) if projection else (self._kernels, self._devices)
+        checks += (self._projectable,) if projection else (self._implementation, self._kernels, self._devices)
         return next((why for why in (check(point) for check in checks) if why), None) or self._oom(point)
 
     @staticmethod
+    def _implementation(point: Point) -> str | None:
+        from .peers import get_peer
+
+        return get_peer(point.implementation).why_unavailable(point.device) if point.cp_size > 1 else None
+
+    @staticmethod
     def _projectable(point: Point) -> str | None:
+        if point.level == "attention":
+            return "a projection runs the model's training step; level = \"attention\" points are measured only"
         if point.attn_implementation in KERNEL_PACKAGES:
             return (f"a projection runs on CPU fake tensors, where {point.attn_implementation}'s CUDA kernels cannot "
                     "run; project the sdpa points instead (on CUDA, sdpa runs the flash and memory-efficient kernels)")

@@ -59,6 +59,10 @@ class Suite:
     # allow_faults=True (the test hook, `cpbench sweep --allow-faults`); a fault is recorded in the point's
     # spec_json.
     faults: dict = field(default_factory=dict)
+    # What runs: "model" (the training step) or "attention" (one causal attention op, forward + backward, with
+    # heads / kv heads / head dim of `model`), and which CP implementations (peers.py) run it side by side.
+    level: str = "model"
+    implementations: tuple[str, ...] = ("cpbench",)
 
     def points(self) -> list["Point"]:
         return expand(self)
@@ -92,6 +96,8 @@ class Point:
     timeout_s: float
     seed: int
     fault: str | None = None
+    level: str = "model"
+    implementation: str = "cpbench"
 
     @property
     def point_id(self) -> str:
@@ -110,6 +116,10 @@ class Point:
             parts.append("recompute")
         if self.mixed_precision:
             parts.append("mixed-precision")
+        if self.level != "model":
+            parts.append(self.level)
+        if self.implementation != "cpbench":
+            parts.append(self.implementation)
         return "/".join(parts) + (f"/{self.dtype}" if self.dtype != "float32" else "")
 
     @property
@@ -145,7 +155,7 @@ def load_suite(source: str | Path, *, text: str | None = None, allow_faults: boo
     if unknown:
         errors.append(f"unknown suite fields {unknown}. Known fields: {sorted(known)}.")
         raw = {k: v for k, v in raw.items() if k in known}
-    for name in ("seq_lens", "cp_sizes", "attn_implementations", "cp_styles"):
+    for name in ("seq_lens", "cp_sizes", "attn_implementations", "cp_styles", "implementations"):
         if name in raw:
             if not isinstance(raw[name], list) or not raw[name]:
                 errors.append(str(err(name, raw[name], "give a non-empty list, e.g. [1, 2] or [\"sdpa\"].")))
@@ -176,16 +186,27 @@ def expand(suite: Suite) -> list[Point]:
     seen, points = set(), []
     for cp in sorted(suite.cp_sizes):
         for attn in suite.attn_implementations:
-            for style in (suite.cp_styles if cp > 1 else (NO_STYLE,)):
+            for impl, style in _runs(suite, cp):
                 for seq_len in sorted(suite.seq_lens):
-                    p = _point(suite, model, cp, attn, style, seq_len)
+                    p = _point(suite, model, cp, attn, style, seq_len, impl)
                     if p.point_key not in seen:
                         seen.add(p.point_key)
                         points.append(p)
     return sorted(points, key=lambda p: p.world_size)  # stable: keeps the order above within a world size
 
 
-def _point(suite: Suite, model: str, cp: int, attn: str, style: str, seq_len: int) -> Point:
+def _runs(suite: Suite, cp: int) -> list[tuple[str, str]]:
+    """(implementation, style) pairs at one cp size: at cp 1 the unsharded op alone; above, every implementation
+    with each of the suite's styles it has (a peer without a style is not a point)."""
+    from .peers import CPBENCH, PEERS
+
+    if cp == 1:
+        return [(CPBENCH, NO_STYLE)]
+    return [(impl, style) for impl in suite.implementations for style in suite.cp_styles
+            if impl not in PEERS or style in PEERS[impl].styles]
+
+
+def _point(suite: Suite, model: str, cp: int, attn: str, style: str, seq_len: int, impl: str = "cpbench") -> Point:
     fsdp = suite.fsdp_size
     world = cp * fsdp * suite.dp_replicate_size
     if suite.world_size is not None:
@@ -199,7 +220,7 @@ def _point(suite: Suite, model: str, cp: int, attn: str, style: str, seq_len: in
         measured_steps=suite.measured_steps, keep_outputs=suite.keep_outputs, loss_mode=suite.loss,
         activation_checkpointing=suite.activation_checkpointing, mixed_precision=suite.mixed_precision,
         parity_mode=suite.parity, reference=suite.reference, timeout_s=float(suite.timeout_s),
-        seed=suite.seed,
+        seed=suite.seed, level=suite.level, implementation=impl,
     )
     fault = next((f for pat, f in suite.faults.items() if fnmatch.fnmatchcase(p.point_id, pat)), None)
     if not fault:

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from cpbench.report.units import parse_bytes
 
 from . import parity, step
+from .attention_level import run_attention_point
 from .capture import capture
 from .reference import reference_phase
 from .probes import StepTimer, memory_probe, reset_rss_peak, rss_peak_bytes
@@ -71,6 +72,9 @@ def _inject(point: Point, model, rank: int) -> None:
 
 def run_point(point: Point, *, rank: int, device, budget: int | None, cache_dir: Path | None) -> dict:
     """This rank's record of the point, rank 0's with its parity verdict (every rank of the point calls it)."""
+    if point.level == "attention":
+        record, verdict = run_attention_point(point, rank=rank, device=device, budget=budget)
+        return {**record, "parity": verdict} if rank == 0 else record
     record, side = measure_point(point, rank=rank, device=device, budget=budget)
     verdict = reference_phase(point, side, rank=rank, device=device, cache_dir=cache_dir)
     return {**record, "parity": verdict} if rank == 0 else record
@@ -152,12 +156,16 @@ def run_points(points: list[Point], records_dir: Path, *, budget: int | None, ca
         if rank == 0:
             write_json(records_dir / f"{point.point_key}.started", {"point_id": point.point_id, "t": time.time()})
         try:
-            record, side = measure_point(point, rank=rank, device=device, budget=budget)
+            if point.level == "attention":
+                record, verdict = run_attention_point(point, rank=rank, device=device, budget=budget)
+            else:
+                record, side = measure_point(point, rank=rank, device=device, budget=budget)
             gathered = [None] * world
             dist.all_gather_object(gathered, record)
             if rank == 0:
                 write_json(records_dir / f"{point.point_key}.measured.json", gathered)
-            verdict = reference_phase(point, side, rank=rank, device=device, cache_dir=cache_dir)
+            if point.level != "attention":
+                verdict = reference_phase(point, side, rank=rank, device=device, cache_dir=cache_dir)
         except BaseException as e:  # noqa: BLE001 - recorded with its message, then this rank exits
             write_json(records_dir / f"{point.point_key}.rank{rank}.error.json", _error_record(rank, e))
             sys.stdout.flush()

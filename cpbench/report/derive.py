@@ -32,7 +32,7 @@ def _label(row: pd.Series, dims: list[str]) -> str:
             parts.append(f"cp {int(value)}")
         elif dim == "cp_style" and value == "none":
             continue  # cp 1 has no style: 'cp 1 · sdpa' reads better than 'cp 1 · sdpa · none'
-        elif dim in ("attn_implementation", "cp_style"):
+        elif dim in ("attn_implementation", "cp_style", "implementation", "level"):
             parts.append(str(value))
         else:
             parts.append(f"{dim}={value}")
@@ -55,7 +55,7 @@ def ratios_vs_cp1(frame: pd.DataFrame) -> pd.DataFrame:
     """For each ok point with cp > 1: speed-up (cp1 median step / its median step) and memory ratios
     (its peak / cp1 peak, and the same for activations) against the cp=1 point of the same other key columns.
     Points without an ok cp=1 counterpart are left out (there is nothing to divide by)."""
-    match = [c for c in KEY_COLUMNS if c not in ("cp_size", "cp_style")]
+    match = [c for c in KEY_COLUMNS if c not in ("cp_size", "cp_style", "implementation")]  # cp 1: unsharded
     ok = with_config(frame[frame["status"] == "ok"])
     base = ok[ok["cp_size"] == 1][match + ["step_time_median_s", "peak_bytes", "activations_bytes"]]
     base = base.drop_duplicates(match)

@@ -13,6 +13,7 @@ import pandas as pd
 from . import plots, tables, units
 from .derive import largest_fit, measurement_note, ratios_vs_cp1
 from .load import run_label
+from .peers import has_peers, peers_table
 
 CSS = """body{font-family:system-ui,sans-serif;margin:2em;max-width:1400px}
 table{border-collapse:collapse;margin:1em 0;font-size:90%}th,td{border:1px solid #ccc;padding:4px 8px;text-align:left}
@@ -20,7 +21,8 @@ td.bad{background:#fdd}td.oom{background:#ffe9c7}td.none{color:#888}img{max-widt
 
 FIGURE_TITLES = {"memory": "Peak memory per rank", "time": "Step time and throughput",
                  "scaling": "Speed-up and memory against cp=1", "memory_breakdown": "Memory breakdown",
-                 "parity": "Parity errors against tolerance", "largest_fit": "Largest sequence length that fits"}
+                 "parity": "Parity errors against tolerance", "largest_fit": "Largest sequence length that fits",
+                 "peers": "CP implementations side by side"}
 
 
 @dataclass(frozen=True)
@@ -57,9 +59,14 @@ def _sections(frame: pd.DataFrame) -> list[tuple[str, pd.DataFrame, str | None]]
     fits = largest_fit(frame).astype(object).where(lambda f: f.notna(), "–").rename(columns={
         "config": "configuration", "largest_ok_seq_len": "largest ok seq len", "first_failed_seq_len": "first failure at"})
     note = measurement_note(frame)
+    peers = []
+    if has_peers(frame):
+        peers = [("Peers (step time / unsharded step time, peak memory per rank, parity against the unsharded op)",
+                  peers_table(frame), "seq len")]
     return [
         ("Comparison (peak memory per rank, max over ranks; median step time; parity)" + note,
          tables.comparison(frame), "seq len"),
+        *peers,
         ("Largest sequence length that fits" + note, fits, None),
         ("Against cp=1 (ideal activations ratio: 1/cp)", ratio_table(frame), None),
         ("Points", tables.points(frame), None),

@@ -223,4 +223,9 @@ def save_all(frame: pd.DataFrame, out_dir: str | Path, capacity: float | None = 
         fig = draw(frame, capacity) if name == "memory" else draw(frame)
         paths[name] = out_dir / f"{name}.png"
         fig.savefig(paths[name], dpi=100)
+    from .peers import has_peers, peers_figure
+
+    if has_peers(frame):
+        paths["peers"] = out_dir / "peers.png"
+        peers_figure(frame).savefig(paths["peers"], dpi=100)
     return paths

@@ -15,7 +15,7 @@ import pyarrow as pa
 # 3: a row is `measured` or `projected` (`measurement`); the step keeps only the loss through backward unless
 #    `keep_outputs`; the parity step is no longer tracked; `temporaries_bytes` and the collectives of one step
 #    (`comm_*`) are new.
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 MEASUREMENTS = ("measured", "projected")
 
 STATUSES = ("ok", "oom", "error", "timeout", "skipped")
@@ -52,6 +52,9 @@ COLUMNS: dict[str, tuple[pa.DataType, str]] = {
                   "no logits, so parity compares the loss and gradients)"),
     "activation_checkpointing": (pa.bool_(), "every decoder layer recomputed in backward"),
     "mixed_precision": (pa.bool_(), "FSDP2 mixed precision: fp32 master weights and reduction, compute in `dtype`"),
+    "level": (pa.string(), "model (the training step) | attention (one causal attention op, forward + backward)"),
+    "implementation": (pa.string(), "the CP implementation: cpbench, or a peer (deepspeed, torch_cp, ring_flash_attn, "
+                       "yunchang)"),
     "keep_outputs": (pa.bool_(), "the step keeps the whole output (logits) through backward; false: only the loss, "
                      "as transformers' Trainer"),
     "parity_mode": (pa.string(), "full | projected | off"),
@@ -140,7 +143,7 @@ ARROW_SCHEMA = pa.schema(
 KEY_COLUMNS = (
     "model", "seq_len", "batch_size", "batch_kind", "cp_size", "fsdp_size", "dp_replicate_size",
     "attn_implementation", "cp_style", "dtype", "device", "keep_outputs", "loss_mode", "activation_checkpointing",
-    "mixed_precision",
+    "mixed_precision", "level", "implementation",
 )
 
 

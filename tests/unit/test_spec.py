@@ -138,7 +138,9 @@ def test_the_default_suite_is_shipped_as_a_file_and_covers_the_required_grid():
 def test_every_shipped_suite_validates(name):
     suite = resolve_suite(ROOT / "suites" / name)
     assert suite.points()
-    assert suite.warmup_steps >= 3  # the leak check (peaks that grow every warmup step) needs 3
+    # The leak check (peaks that grow every warmup step) needs 3. An attention-level suite times one op with no
+    # state to leak (no optimizer, no caches), and its one warmup step keeps the CPU peers suite within 3 minutes.
+    assert suite.warmup_steps >= 3 or suite.level == "attention"
 
 
 def test_ring_styles_are_refused_exactly_the_backends_their_registration_does_not_serve():
