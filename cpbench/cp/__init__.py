@@ -10,6 +10,7 @@ from .plan import DEFAULT_BASE_MODEL_CP_PLAN, FAMILY_CP_PLANS, ResolvedPlan, res
 from .ring import RING_IMPLEMENTATIONS, ring_attention
 from .styles import STYLES, AttentionStyle, SplitStyle, register_attention_style
 from .ulysses import check_ulysses, ulysses_attention
+from .usp import check_usp, usp_attention
 
 register_attention_style("cp_ulysses", ulysses_attention, check=check_ulysses, replace=True)
 register_attention_style(
@@ -17,6 +18,9 @@ register_attention_style(
 )
 register_attention_style(
     "cp_ring_zigzag", ring_attention, layout="zigzag", implementations=RING_IMPLEMENTATIONS, replace=True
+)
+register_attention_style(
+    "cp_usp", usp_attention, layout="zigzag", implementations=RING_IMPLEMENTATIONS, check=check_usp, replace=True
 )
 hf_compat.install()
 

@@ -21,6 +21,7 @@ from .layout import SequenceLayout
 from .mesh import CPDeviceMesh, build_mesh
 from .plan import ResolvedPlan, attention_style, default_cp_plan, merge_plan, refusal_reason, resolve_plan
 from .split import RotaryCuts, make_split_hook
+from .usp import usp_attention
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,7 @@ def resolve_for(model: torch.nn.Module, config: DistributedConfig) -> ResolvedPl
     for name, style_name in plan.attention_modules.items():
         style = attention_style(style_name)
         if style.check is not None:
-            style.check(model.get_submodule(name), config.cp_size)
+            style.check(model.get_submodule(name), config)
         impl = model.config._attn_implementation or "eager"
         if style.implementations is not None and impl not in style.implementations:
             raise ValueError(
@@ -93,7 +94,8 @@ def apply_context_parallel(
 ) -> torch.nn.Module:
     group = mesh.cp_group
     rank = dist.get_rank(group)
-    make_layout = functools.partial(SequenceLayout, cp_size=config.cp_size, rank=rank, kind=plan.layout)
+    make_layout = functools.partial(SequenceLayout, cp_size=config.cp_size, rank=rank, kind=plan.layout,
+                                    ulysses=config.cp_ulysses_degree if plan.layout == "zigzag" else 1)
     state = ForwardState(make_layout)
     if getattr(model, "cp_state", None) is not None:  # use_loss() before parallelize(): keep the choice
         state.loss = model.cp_state.loss
@@ -102,10 +104,12 @@ def apply_context_parallel(
         hook = make_split_hook(name == plan.first_split, state, rotary_cuts)
         model.get_submodule(name).register_forward_pre_hook(hook, with_kwargs=True)
     for name, style_name in plan.attention_modules.items():
-        hf_compat.bind_attention(model.get_submodule(name), AttentionBinding(
-            attention_style(style_name), group, config.cp_kernel_device))
+        style = attention_style(style_name)
+        groups = mesh.usp_groups if style.fn is usp_attention else group
+        hf_compat.bind_attention(model.get_submodule(name), AttentionBinding(style, groups, config.cp_kernel_device))
     model.cp_plan = model_cp_plan(model, config)
     model.cp_resolved_plan = plan
+    model.cp_layout = make_layout  # seq_len -> this rank's SequenceLayout (what gather_sequence needs)
     model.cp_group = group
     model.forward = wrap_forward(model, state, group, causal_lm=_is_causal_lm(model))
     model.cp_state = state

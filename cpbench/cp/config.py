@@ -27,6 +27,9 @@ class DistributedConfig(HFDistributedConfig):
         cp_size: ranks that split every sequence between them. 1 turns context parallelism off.
         cp_plan: overrides merged into the model's default plan, keyed like `model.cp_plan`
             (e.g. `{"model.layers.*.self_attn": "cp_ring"}`). A value of `None` removes a rule.
+        cp_ulysses_degree: for the hybrid style `cp_usp`, the ranks of each Ulysses group (consecutive ranks of
+            the cp group: inside a node); the ring runs over cp_size / cp_ulysses_degree such groups. 1 (the
+            default) or cp_size reduce `cp_usp` to the ring or to Ulysses.
         cp_kernel_device: the device type ("cuda", "cpu") whose attention kernels the CP styles pick; None (the
             default) is the device of the tensors. A projection (`cpbench estimate`) runs a CUDA step on CPU fake
             tensors and sets "cuda", so that the kernels, and the memory they hold, are those CUDA would run.
@@ -34,6 +37,7 @@ class DistributedConfig(HFDistributedConfig):
 
     cp_size: int | None = None
     cp_plan: dict[str, str | None] | None = None
+    cp_ulysses_degree: int | None = None
     cp_kernel_device: str | None = None
 
     def __post_init__(self):
@@ -44,6 +48,14 @@ class DistributedConfig(HFDistributedConfig):
         if self.cp_plan is not None and not isinstance(self.cp_plan, dict):
             raise TypeError(
                 f"`cp_plan` must be a dict mapping module patterns to style names, got {type(self.cp_plan).__name__}."
+            )
+        if self.cp_ulysses_degree is None:
+            self.cp_ulysses_degree = 1
+        u = self.cp_ulysses_degree
+        if not isinstance(u, int) or isinstance(u, bool) or u < 1 or self.cp_size % u:
+            raise ValueError(
+                f"`cp_ulysses_degree` must be a positive integer that divides cp_size={self.cp_size}, got {u!r} "
+                f"(e.g. cp_size=8 with cp_ulysses_degree=2: Ulysses over pairs of ranks, the ring over 4 pairs)."
             )
         if self.cp_kernel_device not in (None, "cpu", "cuda"):
             raise ValueError(f"`cp_kernel_device` must be None, 'cpu' or 'cuda', got {self.cp_kernel_device!r}.")

@@ -4,6 +4,11 @@ A sequence of `seq_len` tokens is padded to `padded_len` (a multiple of the numb
 chunks. `contiguous` gives rank r chunk r of cp; `zigzag` cuts 2*cp chunks and gives rank r chunks r and
 2*cp-1-r, so that every rank does the same causal attention work. Padding positions (>= seq_len) are never
 attended to and never counted in the loss.
+
+With `ulysses` u > 1 (the hybrid `cp_usp`: Ulysses inside groups of u consecutive ranks, the ring across the
+cp/u groups), zigzag is the ring's: ring rank g holds the ring chunks g and 2(cp/u)-1-g, and the u ranks of its
+group hold consecutive u-th parts of those (2cp chunks in all, two per rank), so that Ulysses' all-to-all inside
+the group gathers exactly the ring's zigzag slice, in order.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ class SequenceLayout:
     cp_size: int
     rank: int
     kind: str = "contiguous"
+    ulysses: int = 1  # the Ulysses degree of cp_usp (see above)
+    pad_multiple: int = 1  # padded_len is a multiple of num_chunks * pad_multiple (cp_usp's ring view)
     # The forward's batch (documents, padding) for the attention styles that need it (`batch_mask.BatchFacts`);
     # not part of the layout's identity.
     facts: object = field(default=None, compare=False, repr=False)
@@ -31,7 +38,7 @@ class SequenceLayout:
     def __post_init__(self):
         if self.kind not in LAYOUT_KINDS:
             raise ValueError(f"Unknown sequence layout {self.kind!r}; known layouts are {list(LAYOUT_KINDS)}.")
-        assert 0 <= self.rank < self.cp_size and self.seq_len > 0
+        assert 0 <= self.rank < self.cp_size and self.seq_len > 0 and self.cp_size % self.ulysses == 0
 
     @property
     def num_chunks(self) -> int:
@@ -39,7 +46,8 @@ class SequenceLayout:
 
     @property
     def padded_len(self) -> int:
-        return -(-self.seq_len // self.num_chunks) * self.num_chunks
+        step = self.num_chunks * self.pad_multiple
+        return -(-self.seq_len // step) * step
 
     @property
     def chunk_len(self) -> int:
@@ -50,6 +58,12 @@ class SequenceLayout:
         return self.padded_len // self.cp_size
 
     def chunks_of(self, rank: int) -> tuple[int, ...]:
+        if self.kind == "zigzag" and self.ulysses > 1:
+            u = self.ulysses
+            group, member = divmod(rank, u)
+            ring = self.cp_size // u
+            held = [*range(group * u, (group + 1) * u), *range((2 * ring - 1 - group) * u, (2 * ring - group) * u)]
+            return tuple(held[2 * member : 2 * member + 2])
         if self.kind == "zigzag":
             return (rank, 2 * self.cp_size - 1 - rank)
         return (rank,)

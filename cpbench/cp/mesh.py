@@ -22,9 +22,12 @@ class CPDeviceMesh:
     unflattened to `(pp, dp_replicate, fsdp, cp, tp)`, for the cp group and the fsdp view.
     """
 
-    def __init__(self, flat: DeviceMesh, fsdp_size: int, cp_size: int):
+    def __init__(self, flat: DeviceMesh, fsdp_size: int, cp_size: int, ulysses_degree: int = 1):
         self.flat = flat
         self.root = flat._unflatten("fsdp_cp", (fsdp_size, cp_size), ("fsdp", "cp"))
+        # cp_usp's two views of the cp axis: `cp_ulysses` (inner: consecutive ranks, inside a node) and `cp_ring`
+        # (outer), as `fsdp` and `cp` are views of `fsdp_cp`.
+        self.usp = self.root._unflatten("cp", (cp_size // ulysses_degree, ulysses_degree), ("cp_ring", "cp_ulysses"))
 
     def get_mesh(self, dims: str | tuple[str, ...]) -> DeviceMesh:
         dims = (dims,) if isinstance(dims, str) else tuple(dims)
@@ -35,6 +38,19 @@ class CPDeviceMesh:
     @property
     def cp_group(self) -> torch.distributed.ProcessGroup:
         return self.root["cp"].get_group()
+
+    @property
+    def usp_groups(self) -> "UspGroups":
+        return UspGroups(self.usp["cp_ulysses"].get_group(), self.usp["cp_ring"].get_group(), self.cp_group)
+
+
+class UspGroups:
+    """The process groups `cp_usp` runs over: its Ulysses group, its ring group, and the whole cp group."""
+
+    def __init__(self, ulysses, ring, cp):
+        self.ulysses, self.ring, self.cp = ulysses, ring, cp
+        self.ulysses_size = torch.distributed.get_world_size(ulysses)
+        self.ring_size = torch.distributed.get_world_size(ring)
 
 
 def check_world_size(config: DistributedConfig, world_size: int) -> None:
@@ -54,4 +70,4 @@ def build_mesh(config: DistributedConfig, device_type: str) -> CPDeviceMesh:
     flat = init_device_mesh(
         device_type, (pp, dp_replicate, fsdp * cp, tp), mesh_dim_names=("pp", "dp_replicate", "fsdp_cp", "tp")
     )
-    return CPDeviceMesh(flat, fsdp, cp)
+    return CPDeviceMesh(flat, fsdp, cp, config.cp_ulysses_degree)

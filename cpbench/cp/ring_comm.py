@@ -53,7 +53,10 @@ class RingComm:
         self.counter = counter
 
     def exchange(self, *tensors: torch.Tensor, phase: str, tag: int) -> Pending:
-        """Sends each tensor to the next rank and receives one like it from the previous rank."""
+        """Sends each tensor to the next rank and receives one like it from the previous rank. A ring of one rank
+        (cp_usp with its Ulysses degree equal to cp_size) is its own neighbour: the tensors come back as they are."""
+        if self.size == 1:
+            return Pending((), tensors, ())
         sent = tuple(t.contiguous() for t in tensors)
         received = tuple(torch.empty_like(t) for t in sent)
         ops = []

@@ -88,8 +88,9 @@ def register_attention_style(
     *,
     layout: str = "contiguous",
     implementations: tuple[str, ...] | None = None,
-    check: Callable[[object, int], None] | None = None,
+    check: Callable[[object, object], None] | None = None,
     replace: bool = False,
 ) -> AttentionStyle:
-    """Registers a custom attention style that a `cp_plan` can name."""
+    """Registers a custom attention style that a `cp_plan` can name. `check(attention_module, distributed_config)`
+    raises a ValueError when the style cannot serve the module under that config."""
     return STYLES.register(AttentionStyle(name, fn, layout, implementations, check), replace=replace)

@@ -95,8 +95,8 @@ def ulysses_attention(module, query, key, value, attention_mask, *, inner, group
     return _heads_to_seq(out_bhsd, group, cp).transpose(1, 2).contiguous(), None
 
 
-def check_ulysses(module: torch.nn.Module, cp_size: int) -> None:
-    heads = module.config.num_attention_heads
+def check_ulysses(module: torch.nn.Module, config) -> None:
+    heads, cp_size = module.config.num_attention_heads, config.cp_size
     if heads % cp_size:
         raise ValueError(
             f"cp_ulysses shards query heads over the cp group, but {type(module).__name__} has "

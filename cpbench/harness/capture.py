@@ -34,7 +34,7 @@ def _parity_logits(model, out, batch, point, mode):
     import cpbench
 
     cp_rank = dist.get_rank(model.cp_group)
-    layout = cpbench.SequenceLayout(point.seq_len, point.cp_size, cp_rank, model.cp_resolved_plan.layout)
+    layout = model.cp_layout(point.seq_len)
     if mode != "projected":
         full = cpbench.gather_sequence(logits, layout, model.cp_group)
         return (full, valid) if cp_rank == 0 else (None, None)

@@ -19,7 +19,7 @@ BACKENDS = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_atten
 CUDA_ONLY_BACKENDS = ("flash_attention_2", "flash_attention_3")
 # cpbench's documented attention styles. A documented style that this install has not registered yet is
 # `skipped` (with why) rather than refused, so a suite can name a style before its implementation lands.
-DOCUMENTED_STYLES = ("cp_ulysses", "cp_ring", "cp_ring_zigzag")
+DOCUMENTED_STYLES = ("cp_ulysses", "cp_ring", "cp_ring_zigzag", "cp_usp")
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("cpu", "cuda")
 BATCH_KINDS = ("plain", "packed", "padded")
@@ -173,6 +173,7 @@ _SCALARS = {  # field -> (check, what to write)
     "memory_budget": (lambda v: v is None or isinstance(v, str) or _is_int(v), 'a size, e.g. "80GiB"'),
     "faults": (lambda v: isinstance(v, dict), "a table of point-id glob = fault"),
     "level": (lambda v: isinstance(v, str), 'a string, e.g. level = "attention"'),
+    "cp_ulysses_degree": (_is_int, "an integer, e.g. cp_ulysses_degree = 2"),
 }
 _LISTS = {"seq_lens": _is_int, "cp_sizes": _is_int, "attn_implementations": lambda v: isinstance(v, str),
           "cp_styles": lambda v: isinstance(v, str), "implementations": lambda v: isinstance(v, str)}
@@ -229,6 +230,13 @@ def _check_styles(suite: Suite, config) -> None:
     for cp in suite.cp_sizes:
         if cp < 1:
             raise err("cp_sizes", cp, "every cp size must be an integer >= 1.")
+        if cp > 1 and "cp_usp" in suite.cp_styles and (cp % suite.cp_ulysses_degree or suite.cp_ulysses_degree < 1):
+            raise err("cp_ulysses_degree", suite.cp_ulysses_degree, f"cp_usp splits each cp group into Ulysses "
+                      f"groups of this many ranks, which must divide every cp size > 1 (cp_sizes has {cp}); pick a "
+                      "common divisor, or sweep cp_usp in its own suite.")
+        if cp > 1 and "cp_usp" in suite.cp_styles and heads % suite.cp_ulysses_degree:
+            raise err("cp_ulysses_degree", suite.cp_ulysses_degree, f"cp_usp shards the {heads} query heads of "
+                      f"{suite.model} over each Ulysses group: use a degree that divides {heads}.")
         if cp > 1 and "cp_ulysses" in suite.cp_styles and heads % cp:
             raise err(
                 "cp_sizes", cp, f"cp_ulysses shards the {heads} query heads of {suite.model} over the cp group, "

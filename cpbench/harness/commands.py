@@ -7,6 +7,8 @@ import sys
 import time
 from pathlib import Path
 
+from .cluster import LAUNCHERS
+
 
 def register(subparsers) -> None:
     sweep = subparsers.add_parser(
@@ -14,6 +16,15 @@ def register(subparsers) -> None:
         description="Run a suite of points into results/<suite>/<run>/runs.parquet. " + EXIT_CODES)
     sweep.add_argument("suite", nargs="?", default=None, help="suite file (default: the embedded CPU suite)")
     _common(sweep)
+    cluster = sweep.add_argument_group("on a cluster (submitit: pip install 'cpbench[slurm]')")
+    cluster.add_argument("--launcher", default="local", choices=LAUNCHERS,
+                         help="local: torch's launcher here (default); slurm: one SLURM job per world size, torch's "
+                              "launcher on every node; submitit-local: the same job on this machine, each node a "
+                              "local process")
+    cluster.add_argument("--nodes", type=int, default=1, help="nodes a job may use (default 1)")
+    cluster.add_argument("--gpus-per-node", type=int, default=8, help="ranks per node (default 8)")
+    cluster.add_argument("--partition", default=None, help="SLURM partition")
+    cluster.add_argument("--account", default=None, help="SLURM account")
     sweep.set_defaults(func=sweep_command)
 
     run = subparsers.add_parser(
@@ -83,7 +94,25 @@ def _options(args, only=()):
 
     return SweepOptions(suite=args.suite, out=args.out, run=args.run, resume=getattr(args, "resume", False),
                         memory_budget=args.memory_budget, allow_faults=args.allow_faults, only=tuple(only),
-                        progress=not args.no_progress)
+                        progress=not args.no_progress, cluster=_cluster(args))
+
+
+def _cluster(args):
+    """The cluster options of `sweep --launcher slurm|submitit-local`, checked before anything runs."""
+    from .cluster import ClusterOptions
+
+    launcher = getattr(args, "launcher", "local")
+    if launcher == "local":
+        return None
+    import importlib.util
+
+    if importlib.util.find_spec("submitit") is None:
+        raise ValueError(f"--launcher {launcher} submits through submitit, not installed here: "
+                         "pip install 'cpbench[slurm]'")
+    for name in ("nodes", "gpus_per_node"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: give an integer >= 1")
+    return ClusterOptions(launcher, args.nodes, args.gpus_per_node, args.partition, args.account)
 
 
 def sweep_command(args) -> int:

@@ -18,11 +18,12 @@ from pathlib import Path
 
 def worker_command(
     world_size: int, suite_ref: str, point_ids: list[str], records: Path, cache: Path,
-    budget: str | None, allow_faults: bool,
+    budget: str | None, allow_faults: bool, rendezvous: list[str] | None = None,
 ) -> list[str]:
+    """torch's launcher running the worker; `rendezvous`: its multi-node arguments (cluster.py), else one node."""
+    nodes = rendezvous or ["--standalone", "--nnodes", "1", "--nproc-per-node", str(world_size)]
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
-        "--nproc-per-node", str(world_size), "--max-restarts", "0", "--monitor-interval", "0.5",
+        sys.executable, "-m", "torch.distributed.run", *nodes, "--max-restarts", "0", "--monitor-interval", "0.5",
         "-m", "cpbench.harness.worker", "--suite", suite_ref, "--records", str(records), "--cache", str(cache),
     ]
     for pid in point_ids:
@@ -50,6 +51,10 @@ class Launch:
 
     def poll(self) -> int | None:
         return self.proc.poll()
+
+    def waiting(self) -> bool:
+        """Whether the launch is still queued (a cluster job); a local launch starts at once."""
+        return False
 
     def kill(self) -> None:
         for pid in [*_descendants(self.proc.pid), self.proc.pid]:

@@ -76,7 +76,8 @@ def _mesh(point: Point):
     from cpbench.cp.mesh import build_mesh
 
     config = cpbench.DistributedConfig(
-        cp_size=point.cp_size, fsdp_size=point.fsdp_size, dp_replicate_size=point.dp_replicate_size
+        cp_size=point.cp_size, fsdp_size=point.fsdp_size, dp_replicate_size=point.dp_replicate_size,
+        cp_ulysses_degree=point.cp_ulysses_degree,
     )
     return build_mesh(config, "cpu")
 

@@ -26,7 +26,7 @@ def base_row(point: Point, *, run_id: str, env: dict, budget: int | None, measur
         "suite", "model", "seq_len", "batch_size", "batch_kind", "cp_size", "fsdp_size", "dp_replicate_size",
         "world_size", "attn_implementation", "cp_style", "dtype", "device", "warmup_steps", "measured_steps",
         "keep_outputs", "loss_mode", "activation_checkpointing", "mixed_precision", "parity_mode", "level",
-        "implementation",
+        "implementation", "cp_ulysses_degree",
     )}
     config = get_preset(point.preset).config(point.model_overrides)
     if point.level == "attention":

@@ -63,6 +63,9 @@ class Suite:
     # heads / kv heads / head dim of `model`), and which CP implementations (peers.py) run it side by side.
     level: str = "model"
     implementations: tuple[str, ...] = ("cpbench",)
+    # cp_usp's Ulysses degree: the ranks of each Ulysses group; the ring runs over cp_size / degree groups. Only the
+    # cp_usp points of a cp size it divides use it (other styles and cp sizes keep 1).
+    cp_ulysses_degree: int = 2
 
     def points(self) -> list["Point"]:
         return expand(self)
@@ -98,10 +101,12 @@ class Point:
     fault: str | None = None
     level: str = "model"
     implementation: str = "cpbench"
+    cp_ulysses_degree: int = 1
 
     @property
     def point_id(self) -> str:
-        parts = [self.model, f"s{self.seq_len}", f"cp{self.cp_size}", self.attn_implementation, self.cp_style]
+        style = self.cp_style + (f"-u{self.cp_ulysses_degree}" if self.cp_style == "cp_usp" else "")
+        parts = [self.model, f"s{self.seq_len}", f"cp{self.cp_size}", self.attn_implementation, style]
         if self.fsdp_size > 1:
             parts.append(f"fsdp{self.fsdp_size}")
         if self.dp_replicate_size > 1:
@@ -197,13 +202,13 @@ def expand(suite: Suite) -> list[Point]:
 
 def _runs(suite: Suite, cp: int) -> list[tuple[str, str]]:
     """(implementation, style) pairs at one cp size: at cp 1 the unsharded op alone; above, every implementation
-    with each of the suite's styles it has (a peer without a style is not a point)."""
+    with each of the suite's styles it has at level "attention" (a peer without a style is not a point)."""
     from .peers import CPBENCH, PEERS
 
     if cp == 1:
         return [(CPBENCH, NO_STYLE)]
     return [(impl, style) for impl in suite.implementations for style in suite.cp_styles
-            if impl not in PEERS or style in PEERS[impl].styles]
+            if suite.level == "model" or impl not in PEERS or style in PEERS[impl].styles]
 
 
 def _point(suite: Suite, model: str, cp: int, attn: str, style: str, seq_len: int, impl: str = "cpbench") -> Point:
@@ -221,6 +226,7 @@ def _point(suite: Suite, model: str, cp: int, attn: str, style: str, seq_len: in
         activation_checkpointing=suite.activation_checkpointing, mixed_precision=suite.mixed_precision,
         parity_mode=suite.parity, reference=suite.reference, timeout_s=float(suite.timeout_s),
         seed=suite.seed, level=suite.level, implementation=impl,
+        cp_ulysses_degree=suite.cp_ulysses_degree if style == "cp_usp" else 1,
     )
     fault = next((f for pat, f in suite.faults.items() if fnmatch.fnmatchcase(p.point_id, pat)), None)
     if not fault:

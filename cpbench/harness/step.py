@@ -80,6 +80,7 @@ def _parallelize(model, point: Point, mesh, kernel_device):
     config = cpbench.DistributedConfig(
         cp_size=point.cp_size, fsdp_size=point.fsdp_size, dp_replicate_size=point.dp_replicate_size, cp_plan=plan,
         cp_kernel_device=kernel_device, fsdp_mixed_precision=point.mixed_precision,
+        cp_ulysses_degree=point.cp_ulysses_degree,
     )
     return cpbench.parallelize(model, config, mesh=mesh)
 

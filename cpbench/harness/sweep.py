@@ -21,6 +21,7 @@ from cpbench.report import store
 from cpbench.report.units import parse_bytes
 
 from . import rows
+from .cluster import ClusterLaunch, ClusterOptions, free_port, rendezvous_args
 from .env import fingerprint
 from .launch import Launch, worker_command
 from .progress import SweepProgress
@@ -44,6 +45,7 @@ class SweepOptions:
     allow_faults: bool = False
     only: tuple[str, ...] = ()  # point ids; empty: all
     progress: bool = True
+    cluster: ClusterOptions | None = None  # None: torch's launcher here; else one cluster job per launch
 
 
 def pick_run_dir(suite_dir: Path, run: str | None, resume: bool) -> Path:
@@ -86,7 +88,10 @@ def run_sweep(opts: SweepOptions) -> Path:
     budget_text = opts.memory_budget or suite.memory_budget
     ctx = {"run_id": run_dir.name, "env": fingerprint(suite.device),
            "budget": parse_bytes(budget_text) if budget_text else None}
-    sweep = _Sweep(run_dir, ctx, budget_text, suite_ref(opts.suite), opts.allow_faults)
+    if opts.cluster is not None:  # refused before anything is submitted
+        for world in sorted({p.world_size for p in points}):
+            opts.cluster.shape(world)
+    sweep = _Sweep(run_dir, ctx, budget_text, suite_ref(opts.suite), opts.allow_faults, opts.cluster)
     done = store.finished_point_ids(run_dir)
     sweep.rules.learn(store.read_run(run_dir), points)
     pending = [p for p in points if p.point_id not in done]
@@ -118,9 +123,11 @@ def _sigterm_as_interrupt():
 
 
 class _Sweep:
-    def __init__(self, run_dir: Path, ctx: dict, budget_text: str | None, ref: str, allow_faults: bool):
+    def __init__(self, run_dir: Path, ctx: dict, budget_text: str | None, ref: str, allow_faults: bool,
+                 cluster: ClusterOptions | None = None):
         self.run_dir, self.ctx, self.budget_text, self.ref, self.allow_faults = (
             run_dir, ctx, budget_text, ref, allow_faults)
+        self.cluster = cluster
         self.rules = SkipRules()
         self.bar = None
         self.launches = len(list((run_dir / "records").glob("launch-*"))) if run_dir.exists() else 0
@@ -147,22 +154,33 @@ class _Sweep:
             return []
         self.launches += 1
         folder = self.run_dir / "records" / f"launch-{self.launches}"
-        cmd = worker_command(points[0].world_size, self.ref, [p.point_id for p in points], folder,
-                             self.run_dir.parent / "cache", self.budget_text, self.allow_faults)
         # On CPU a rank stands for one device: one core each, so cp=2 uses twice the compute of cp=1 as two
         # GPUs would (and two OpenMP threads per rank cannot fight over a shared machine's cores).
         threads = CPU_THREADS_PER_RANK if points[0].device == "cpu" else None
-        proc = Launch(cmd, self.run_dir / "logs" / f"launch-{self.launches}.log", threads)
+        proc = self._start(points, folder, self.run_dir / "logs" / f"launch-{self.launches}.log", threads)
         records = LaunchRecords(folder, points)
         try:
             return self._watch(proc, records)
         finally:
             proc.close()
 
+    def _start(self, points: list[Point], folder: Path, log: Path, threads: int | None):
+        world = points[0].world_size
+        args = (world, self.ref, [p.point_id for p in points], folder, self.run_dir.parent / "cache",
+                self.budget_text, self.allow_faults)
+        if self.cluster is None:
+            return Launch(worker_command(*args), log, threads)
+        nodes, per_node = self.cluster.shape(world)
+        rendezvous = rendezvous_args(nodes, per_node, free_port(), f"{self.ctx['run_id']}-{self.launches}")
+        limit = sum(p.timeout_s for p in points) + STARTUP_GRACE_S
+        return ClusterLaunch(worker_command(*args, rendezvous=rendezvous), log, self.cluster, nodes, limit, threads)
+
     def _watch(self, proc: Launch, records: LaunchRecords) -> list[Point]:
         last_progress = time.time()
         while True:
             rc = proc.poll()
+            if proc.waiting():  # a queued cluster job: the startup grace counts from when it runs
+                last_progress = time.time()
             for point, result in records.harvest():
                 last_progress = time.time()
                 self._finish(point, result)

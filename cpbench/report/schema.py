@@ -52,6 +52,8 @@ COLUMNS: dict[str, tuple[pa.DataType, str]] = {
                   "no logits, so parity compares the loss and gradients)"),
     "activation_checkpointing": (pa.bool_(), "every decoder layer recomputed in backward"),
     "mixed_precision": (pa.bool_(), "FSDP2 mixed precision: fp32 master weights and reduction, compute in `dtype`"),
+    "cp_ulysses_degree": (pa.int32(), "cp_usp's Ulysses degree (ranks per Ulysses group; the ring spans cp_size / "
+                          "degree groups); 1 for every other style"),
     "level": (pa.string(), "model (the training step) | attention (one causal attention op, forward + backward)"),
     "implementation": (pa.string(), "the CP implementation: cpbench, or a peer (deepspeed, torch_cp, ring_flash_attn, "
                        "yunchang)"),
@@ -143,7 +145,7 @@ ARROW_SCHEMA = pa.schema(
 KEY_COLUMNS = (
     "model", "seq_len", "batch_size", "batch_kind", "cp_size", "fsdp_size", "dp_replicate_size",
     "attn_implementation", "cp_style", "dtype", "device", "keep_outputs", "loss_mode", "activation_checkpointing",
-    "mixed_precision", "level", "implementation",
+    "mixed_precision", "level", "implementation", "cp_ulysses_degree",
 )
 
 

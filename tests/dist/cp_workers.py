@@ -28,7 +28,8 @@ def _parity(model, batch: dict, path: str, attn: str, cp: int, embeds: bool = Fa
     refs = refs or [own_ref]
     mean_grads = {n: sum(r["grads"][n] for r in refs) / len(refs) for n in refs[0]["grads"]}
     seq_len = batch["input_ids"].shape[1]
-    layout = cpbench.SequenceLayout(seq_len, cp, dist.get_rank(model.cp_group), model.cp_resolved_plan.layout)
+    layout = model.cp_layout(seq_len)
+    assert layout.cp_size == cp and layout.rank == dist.get_rank(model.cp_group)
     logits = cpbench.gather_sequence(out.logits.detach(), layout, model.cp_group)
     grad_err, grad_param = worst_grad_error(grads, mean_grads)
     return {
@@ -97,6 +98,13 @@ def fsdp_cp_worker(path: str, attn: str) -> dict:
         "fsdp2_cp2": _dp_parity(path, attn, dp_index, 2, fsdp_size=2, cp_size=2),
         "replicate2_cp2": _dp_parity(path, attn, dp_index, 2, dp_replicate_size=2, cp_size=2),
     }
+
+
+def usp_fsdp_worker(path: str, attn: str) -> dict:
+    """8 ranks: fsdp=2 x cp=4, the cp group as 2 ring groups x 2 Ulysses ranks (cp_usp)."""
+    dp_index = int(os.environ["RANK"]) // 4
+    return _dp_parity(path, attn, dp_index, 2, fsdp_size=2, cp_size=4, cp_ulysses_degree=2,
+                      cp_plan={"model.layers.*.self_attn": "cp_usp"})
 
 
 def fsdp_cp_workers(paths: list[str], attn: str) -> list[dict]:

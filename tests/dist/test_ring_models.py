@@ -38,13 +38,21 @@ def compare(model, batch: dict, ref: dict, layout_kind: str) -> dict:
     import torch.distributed as dist
 
     import cpbench
+
+    seq = batch["input_ids"].shape[1]
+    return compare_layout(model, batch, ref, cpbench.SequenceLayout(seq, CP, dist.get_rank(model.cp_group),
+                                                                      layout_kind))
+
+
+def compare_layout(model, batch: dict, ref: dict, layout=None) -> dict:
+    """Loss, logits and gradient errors of one CP forward/backward; `layout` defaults to the model's own."""
+    import cpbench
     from tests.dist.models import full_grads, worst_grad_error
 
     model.zero_grad(set_to_none=True)
     out = model(**batch)
     out.loss.backward()
-    seq = batch["input_ids"].shape[1]
-    layout = cpbench.SequenceLayout(seq, CP, dist.get_rank(model.cp_group), layout_kind)
+    layout = layout or model.cp_layout(batch["input_ids"].shape[1])
     logits = cpbench.gather_sequence(out.logits.detach(), layout, model.cp_group)
     # Logits are compared where a real token sits: a padded query attends to nothing, and what a backend puts
     # there (0 for sdpa and the ring, a uniform average for eager) feeds no loss and no gradient.
