@@ -30,7 +30,6 @@ class ClusterOptions:
     gpus_per_node: int = 8  # ranks per node (on CPU points: processes per node)
     partition: str | None = None
     account: str | None = None
-    extra: tuple[tuple[str, str], ...] = ()  # further submitit slurm_* parameters, e.g. (("slurm_qos", "high"),)
 
     def shape(self, world_size: int) -> tuple[int, int]:
         """(nodes, ranks per node) for a group of `world_size` ranks: one node when it fits, else full nodes."""
@@ -62,7 +61,7 @@ def _node_task(cmd: list[str], threads_per_rank: int | None) -> int:
     import submitit
 
     env = submitit.JobEnvironment()
-    master = env.hostnames[0] if len(env.hostnames) > 1 or env.cluster == "slurm" else "127.0.0.1"
+    master = "127.0.0.1" if env.cluster == "local" else env.hostnames[0]
     run_env = dict(os.environ)
     if threads_per_rank:
         run_env["OMP_NUM_THREADS"] = str(threads_per_rank)
@@ -88,7 +87,7 @@ class ClusterLaunch:
             params.update(tasks_per_node=nodes, nodes=1)
         else:
             params.update(nodes=nodes, tasks_per_node=1, gpus_per_node=options.gpus_per_node,
-                          slurm_partition=options.partition, slurm_account=options.account, **dict(options.extra))
+                          slurm_partition=options.partition, slurm_account=options.account)
         executor.update_parameters(**{k: v for k, v in params.items() if v is not None})
         self.job = executor.submit(_node_task, cmd, threads_per_rank)
 

@@ -8,14 +8,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from .attention_level import unsharded
 from .peers import AttentionContext
-
-
-def _sdpa_bshd(q, k, v) -> torch.Tensor:
-    """torch's sdpa, causal, on [B, S, H, D] (the layout the Ulysses peers hand their local attention)."""
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
-                                         enable_gqa=q.shape[2] != k.shape[2])
-    return out.transpose(1, 2)
 
 
 class _AttentionLayer(torch.nn.Module):
@@ -68,7 +62,7 @@ def deepspeed_attention(ctx: AttentionContext) -> Callable:
     if ctx.kv_heads % ctx.cp_size:
         raise ValueError(f"deepspeed Ulysses scatters kv heads too: kv_heads={ctx.kv_heads} must be a multiple of "
                          f"cp_size={ctx.cp_size}")
-    attention = DistributedAttention(_sdpa_bshd, ctx.group, scatter_idx=2, gather_idx=1)
+    attention = DistributedAttention(unsharded, ctx.group, scatter_idx=2, gather_idx=1)  # sdpa on [B, S, H, D]
     return lambda q, k, v: attention(q, k, v, batch_dim_idx=0)
 
 
