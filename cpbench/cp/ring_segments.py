@@ -121,7 +121,8 @@ class VarlenOps:
 
 
 class _Packed:
-    """A tile's token indices into the flattened [batch x tile] rows, and the cu_seqlens of its segments."""
+    """A tile's tokens as (batch row, position) index pairs, segment after segment, and their cu_seqlens. Gathers
+    and scatters index the [B, H, n, D] tiles directly: one copy of the tokens, none of the whole tile."""
 
     def __init__(self, seg: Segments, batch: int, n: int, device):
         if seg.rows == 1:  # the same runs for every row of the batch
@@ -130,19 +131,27 @@ class _Packed:
             runs = list(seg.runs)
         q_lens = [qe - qs for _, qs, qe, _, _ in runs]
         k_lens = [ke - ks for _, _, _, ks, ke in runs]
-        self.q_idx = torch.cat([torch.arange(b * n + qs, b * n + qe, device=device) for b, qs, qe, _, _ in runs])
-        self.k_idx = torch.cat([torch.arange(b * n + ks, b * n + ke, device=device) for b, _, _, ks, ke in runs])
+        self.q = _pairs([(b, qs, qe) for b, qs, qe, _, _ in runs], device)
+        self.k = _pairs([(b, ks, ke) for b, _, _, ks, ke in runs], device)
         self.cu_q = torch.tensor(_cumsum(q_lens), dtype=torch.int32, device=device)
         self.cu_k = torch.tensor(_cumsum(k_lens), dtype=torch.int32, device=device)
         self.max_q, self.max_k = max(q_lens), max(k_lens)
 
     @staticmethod
-    def take(x: torch.Tensor, idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def take(x: torch.Tensor, at: tuple[torch.Tensor, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         """[B, H, n, D] -> the indexed tokens [T, H, D'] in `dtype`, the head dim zero-padded to a multiple of 8 (the
         only ones flash kernels take; zeros change no score)."""
-        b, h, n, d = x.shape
-        x = x.transpose(1, 2).reshape(b * n, h, d).index_select(0, idx).to(dtype)
+        rows, positions = at
+        x = x[rows, :, positions].to(dtype)
+        d = x.shape[-1]
         return F.pad(x, (0, -d % 8)) if d % 8 else x
+
+
+def _pairs(spans: list[tuple[int, int, int]], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(batch rows, positions) of the tokens of [(row, start, end), ...], in that order."""
+    positions = torch.cat([torch.arange(a, e, device=device) for _, a, e in spans])
+    rows = torch.cat([torch.full((e - a,), r, device=device) for r, a, e in spans])
+    return rows, positions
 
 
 def _cumsum(lengths: list[int]) -> list[int]:
@@ -152,33 +161,28 @@ def _cumsum(lengths: list[int]) -> list[int]:
     return out
 
 
-def _scatter(packed: torch.Tensor, idx: torch.Tensor, b: int, n: int, d: int, dtype) -> torch.Tensor:
-    """Packed [T, H, D'] back to [B, H, n, D] in `dtype`; rows outside every segment are 0."""
-    full = torch.zeros(b * n, packed.shape[1], d, dtype=dtype, device=packed.device)
-    full.index_copy_(0, idx, packed[..., :d].to(dtype))
-    return full.view(b, n, -1, d).transpose(1, 2)
-
-
 def varlen_forward(ops: VarlenOps, q, k, v, seg: Segments, scale: float, acc: torch.dtype):
     b, h, n, d = q.shape
     p = _Packed(seg, b, n, q.device)
-    q_, k_, v_ = p.take(q, p.q_idx, q.dtype), p.take(k, p.k_idx, q.dtype), p.take(v, p.k_idx, q.dtype)
+    q_, k_, v_ = p.take(q, p.q, q.dtype), p.take(k, p.k, q.dtype), p.take(v, p.k, q.dtype)
     out, lse = ops.forward(q_, k_, v_, p.cu_q, p.cu_k, p.max_q, p.max_k, seg.causal, *seg.window, float(scale))
-    lse_full = torch.full((h, b * n), float("-inf"), dtype=acc, device=q.device)
-    lse_full.index_copy_(1, p.q_idx, lse.to(acc))
-    return _scatter(out, p.q_idx, b, n, d, acc), lse_full.view(h, b, n).permute(1, 0, 2)
+    out_full = torch.zeros(b, h, n, d, dtype=acc, device=q.device)  # rows outside every segment: 0, LSE -inf
+    lse_full = torch.full((b, h, n), float("-inf"), dtype=acc, device=q.device)
+    out_full[p.q[0], :, p.q[1]] = out[..., :d].to(acc)
+    lse_full[p.q[0], :, p.q[1]] = lse.t().to(acc)
+    return out_full, lse_full
 
 
 def varlen_backward(ops: VarlenOps, dout, q, k, v, out, lse, seg: Segments, scale: float, dq, dk, dv) -> None:
-    """Adds the tile's gradients into the accumulators dq [B, H, n, D], dk/dv [B, Hkv, n, D]."""
-    b, h, n, d = q.shape
-    p = _Packed(seg, b, n, q.device)
-    dt = q.dtype
-    q_, o_, do_ = (p.take(x, p.q_idx, dt) for x in (q, out, dout))
-    k_, v_ = p.take(k, p.k_idx, dt), p.take(v, p.k_idx, dt)
-    lse_ = lse.permute(1, 0, 2).reshape(h, b * n).index_select(1, p.q_idx).float().contiguous()
+    """Adds the tile's gradients into the accumulators dq [B, H, n, D], dk/dv [B, Hkv, n, D] (every token of a tile
+    is in one segment at most, so the indexed adds never meet)."""
+    d = q.shape[-1]
+    p = _Packed(seg, q.shape[0], q.shape[2], q.device)
+    q_, o_, do_ = (p.take(x, p.q, q.dtype) for x in (q, out, dout))
+    k_, v_ = p.take(k, p.k, q.dtype), p.take(v, p.k, q.dtype)
+    lse_ = lse[p.q[0], :, p.q[1]].t().float().contiguous()  # [H, T], as flash's backward wants it
     gq, gk, gv = ops.backward(do_, q_, k_, v_, o_, lse_, p.cu_q, p.cu_k, p.max_q, p.max_k, seg.causal, *seg.window,
                               float(scale))
-    dq += _scatter(gq, p.q_idx, b, n, d, dq.dtype)
-    dk += _scatter(gk, p.k_idx, b, n, d, dk.dtype)
-    dv += _scatter(gv, p.k_idx, b, n, d, dv.dtype)
+    dq[p.q[0], :, p.q[1]] += gq[..., :d].to(dq.dtype)
+    dk[p.k[0], :, p.k[1]] += gk[..., :d].to(dk.dtype)
+    dv[p.k[0], :, p.k[1]] += gv[..., :d].to(dv.dtype)

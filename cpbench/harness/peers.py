@@ -20,6 +20,7 @@ dv to the unsharded op. A peer that is not installed, or cannot run on the point
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 from dataclasses import dataclass
 from typing import Callable
@@ -77,46 +78,21 @@ def get_peer(name: str) -> Peer:
     return PEERS[name]
 
 
-def _cpbench(ctx: AttentionContext) -> Callable:
-    from .peer_adapters import cpbench_attention
-
-    return cpbench_attention(ctx)
-
-
-def _deepspeed(ctx: AttentionContext) -> Callable:
-    from .peer_adapters import deepspeed_attention
-
-    return deepspeed_attention(ctx)
-
-
-def _torch_cp(ctx: AttentionContext) -> Callable:
-    from .peer_adapters import torch_cp_attention
-
-    return torch_cp_attention(ctx)
-
-
-def _ring_flash_attn(ctx: AttentionContext) -> Callable:
-    from .peer_adapters import ring_flash_attention
-
-    return ring_flash_attention(ctx)
-
-
-def _yunchang(ctx: AttentionContext) -> Callable:
-    from .peer_adapters import yunchang_attention
-
-    return yunchang_attention(ctx)
+def _adapter(name: str) -> Callable[[AttentionContext], Callable]:
+    """peer_adapters.<name>, imported when a point runs (it imports the runner, which imports this registry)."""
+    return lambda ctx: getattr(importlib.import_module(".peer_adapters", __package__), name)(ctx)
 
 
 register(Peer(CPBENCH, {"cp_ulysses": "contiguous", "cp_ring": "contiguous", "cp_ring_zigzag": "zigzag"},
-              ("cpu", "cuda"), (), "", _cpbench))
+              ("cpu", "cuda"), (), "", _adapter("cpbench_attention")))
 register(Peer("deepspeed", {"cp_ulysses": "contiguous"}, ("cpu", "cuda"), ("deepspeed",),
-              "pip install 'cpbench[peers]'", _deepspeed))
-register(Peer("torch_cp", {"cp_ring": "contiguous", "cp_ring_zigzag": "zigzag"}, ("cuda",), (),
-              "", _torch_cp, note=(": PyTorch's context_parallel has sharding rules for the CUDA flash and "
-                                   "memory-efficient sdpa kernels, not for the CPU flash kernel")))
+              "pip install 'cpbench[peers]'", _adapter("deepspeed_attention")))
+register(Peer("torch_cp", {"cp_ring": "contiguous", "cp_ring_zigzag": "zigzag"}, ("cuda",), (), "",
+              _adapter("torch_cp_attention"), note=": PyTorch's context_parallel has sharding rules for the CUDA "
+              "flash and memory-efficient sdpa kernels, not for the CPU flash kernel"))
 register(Peer("ring_flash_attn", {"cp_ring": "contiguous", "cp_ring_zigzag": "zigzag"}, ("cuda",),
-              ("ring_flash_attn", "flash_attn"), "pip install ring-flash-attn flash-attn", _ring_flash_attn,
+              ("ring_flash_attn", "flash_attn"), "pip install 'cpbench[peers-gpu]'", _adapter("ring_flash_attention"),
               note=": its kernels are flash-attn's (CUDA)"))
 register(Peer("yunchang", {"cp_ulysses": "contiguous", "cp_ring": "contiguous", "cp_ring_zigzag": "zigzag"},
-              ("cuda",), ("yunchang", "flash_attn"), "pip install yunchang flash-attn", _yunchang,
+              ("cuda",), ("yunchang", "flash_attn"), "pip install 'cpbench[peers-gpu]'", _adapter("yunchang_attention"),
               note=": its kernels are flash-attn's (CUDA)"))

@@ -21,7 +21,7 @@ from cpbench.cp.ring_flash import FlashAttnKernel
 from cpbench.cp.ring_kernels import TorchKernel, acc_dtype
 from cpbench.cp.ring_masks import DENSE, SEGMENTS, TileMask, build_ring_masks
 from tests.unit.test_ring_cuda import bind
-from tests.unit.test_ring_flash import flash_bwd, flash_fwd, tolerances
+from tests.unit.test_ring_flash import as_rows, flash_bwd, flash_fwd, tolerances
 
 CPU_STAND_IN = torch.float32  # on CPU for fp16/bf16, which the flash kernels alone take
 
@@ -254,12 +254,14 @@ def assert_close(got, ref, tol, what):
 
 
 def _run(kernel, tile, q, k, v, dout, ref_out, ref_lse):
+    """Forward, then backward into views of pre-filled accumulators (the ring hands a kernel dq[:, :, rows]);
+    returns the output, the LSE and what the backward added."""
     out, lse = kernel.forward(q, k, v, tile, 0.3)
-    accs = [torch.randn(x.shape, generator=torch.Generator().manual_seed(i), dtype=acc_dtype(q.dtype))
+    accs = [as_rows(torch.randn(x.shape, generator=torch.Generator().manual_seed(i)).to(acc_dtype(q.dtype)), i)
             for i, x in enumerate((q, k, v))]
-    start = [a.clone() for a in accs]
-    kernel.backward(dout, q, k, v, ref_out.to(q.dtype), ref_lse, tile, 0.3, *accs)
-    return out, lse, [a - s for a, s in zip(accs, start)]
+    start = [whole.clone() for whole, _ in accs]
+    kernel.backward(dout, q, k, v, ref_out.to(q.dtype), ref_lse, tile, 0.3, *(view for _, view in accs))
+    return out, lse, [(whole - s)[:, :, 1:-1] for (whole, _), s in zip(accs, start)]
 
 
 @pytest.mark.parametrize("dtype", [CPU_STAND_IN, torch.bfloat16], ids=str)
