@@ -2,7 +2,7 @@
 degrees that reduce it (1: the ring alone; 4: Ulysses alone, with kv heads (2) fewer than the degree, replicated),
 for Qwen3 (plain, packed, left/right-padded and odd-length batches) and Llama, Mistral (sliding window 5) and
 Gemma3 (a sliding and a full layer) on packed, left-padded and odd-length ones. Loss, logits (gathered in the USP layout) and every gradient against
-the unsharded model. One spawn runs every case.
+the unsharded model; and a cp_usp sweep point's projection against its measurement. One spawn runs every case.
 
 cp 4 x fsdp 2 needs 8 ranks: `test_usp_with_fsdp` runs it, opt-in (`-m heavy`): 8 gloo processes of a 2-layer
 model take about a minute on a 2-core machine, more than the default suite's budget allows."""
@@ -17,14 +17,13 @@ from tests.dist.test_ring_models import compare_layout
 
 FAMILIES = ("qwen3", "llama", "mistral", "gemma3")
 KINDS = ("plain", "packed", "left_pad", "right_pad", "odd")
-DEGREES = (2, 1, 4)
-# Qwen3 runs every batch kind at every degree; the other families (their masks: sliding windows, mixed layers)
-# the kinds that exercise them at degree 2.
 OTHER_KINDS = ("packed", "left_pad", "odd")
 
 
 def cases():
-    out = [("qwen3", d, k) for d in DEGREES for k in KINDS]
+    """Qwen3: every kind at degree 2, the packed and odd-length ones at the reducing degrees 1 and 4; the others:
+    their mask kinds at degree 2."""
+    out = [("qwen3", 2, k) for k in KINDS] + [("qwen3", d, k) for d in (1, 4) for k in ("packed", "odd")]
     return out + [(f, 2, k) for f in FAMILIES if f != "qwen3" for k in OTHER_KINDS]
 CP = 4
 
@@ -35,13 +34,33 @@ def _batch(kind: str) -> dict:
     return make_batch("plain", seq_len=19) if kind == "odd" else make_batch(kind, seq_len=24)
 
 
+# A sweep point of cp_usp, measured here (the sweep worker's own `run_point`) and projected in the test process
+# (fake tensors, fake process group): every rank's peak, breakdown and collectives must be equal to the byte.
+PROJECTED = ('model = "tiny-qwen3"\nseq_lens = [128]\ncp_sizes = [4]\ncp_styles = ["cp_usp"]\ncp_ulysses_degree = 2\n'
+             'batch_kind = "packed"\nattn_implementations = ["sdpa"]\nwarmup_steps = 3\nmeasured_steps = 1\n'
+             'parity = "off"\n')
+
+
+def _projected_point():
+    from cpbench.harness.spec import load_suite
+
+    point, = load_suite("u.toml", text=PROJECTED).points()
+    return point
+
+
 def usp_worker(paths: dict) -> dict:
     from transformers import AutoModelForCausalLM
 
     import cpbench
+    from cpbench.harness import worker
     from tests.dist.models import reference
+    from tests.e2e.estimate_workers import _columns
 
-    results, refs = {}, {}
+    if not torch.distributed.is_initialized():  # from_pretrained would, later; the sweep point runs first
+        torch.distributed.init_process_group("gloo")
+    record = worker.run_point(_projected_point(), rank=torch.distributed.get_rank(), device=torch.device("cpu"),
+                              budget=None, cache_dir=None)
+    results, refs = {"measured": _columns(record)}, {}
     for family, degree in dict.fromkeys((f, d) for f, d, _ in cases()):
         model = AutoModelForCausalLM.from_pretrained(
             paths[family], attn_implementation="sdpa", dtype=torch.float32,
@@ -72,6 +91,20 @@ def test_usp_matches_unsharded(results, family, degree, kind):
         assert errs["loss"] <= LOSS_RTOL, f"rank {rank}: loss relative error {errs['loss']:.3g}"
         assert errs["logits"] <= LOGITS_ATOL, f"rank {rank}: logits error {errs['logits']:.3g}"
         assert errs["grad"] <= GRAD_RTOL, f"rank {rank}: gradient error {errs['grad']:.3g} in {errs['grad_where']}"
+
+
+def test_the_projection_of_a_usp_point_equals_its_measurement(results):
+    """cp_usp's two groups (Ulysses pairs, the ring across them) under the fake process group as on gloo."""
+    from cpbench.harness import projection
+    from tests.e2e.estimate_workers import _columns
+
+    point = _projected_point()
+    assert point.cp_ulysses_degree == 2 and "/cp_usp-u2/" in point.point_id
+    assert projection.projected_ranks(point) == [0, 1, 2, 3]  # a packed batch: every rank's masks differ
+    for rank, per_rank in enumerate(results):
+        projected = _columns(projection.project_rank(point, rank))
+        assert projected == per_rank["measured"], (rank, per_rank["measured"], projected)
+    assert results[0]["measured"]["comm_all_to_all_count"] > 0 and results[0]["measured"]["comm_p2p_count"] > 0
 
 
 @pytest.mark.heavy

@@ -40,7 +40,7 @@ timeout_s = 120
 FAULTS = f"""
 [faults]
 "tiny-qwen3/s{SHORT}/cp2/sdpa/cp_ulysses/*" = "crash"
-"tiny-qwen3/s{SHORT}/cp2/sdpa/cp_ring/*" = {{ fault = "hang", timeout_s = 10 }}
+"tiny-qwen3/s{SHORT}/cp2/sdpa/cp_ring/*" = {{ fault = "hang", timeout_s = 5 }}
 """
 
 
@@ -112,7 +112,7 @@ def test_a_crashing_rank_is_an_error_with_its_message_and_the_sweep_goes_on(run)
 
 def test_a_hanging_rank_is_a_timeout_and_the_sweep_goes_on(run):
     r = _row(run["df"], 2, SHORT, "cp_ring")
-    assert r["status"] == "timeout" and "10s" in r["status_detail"]  # its own timeout, not the suite's 120 s
+    assert r["status"] == "timeout" and "5s" in r["status_detail"]  # its own timeout, not the suite's 120 s
     assert _row(run["df"], 2, LONG, "cp_ring")["status"] == "ok"
 
 
