@@ -1,6 +1,6 @@
 """Run a function on N ranks of a gloo process group on CPU, and get back what each rank returned.
 
-`run_ranks(fn, world_size, *args)` spawns `world_size` fresh processes with RANK/WORLD_SIZE/LOCAL_RANK/
+`run_ranks(fn, world_size, *args)` starts `world_size` fresh processes (from a fork server, see `PRELOAD`) with RANK/WORLD_SIZE/LOCAL_RANK/
 MASTER_ADDR/MASTER_PORT set as torchrun sets them (a free port each time), so the code under test initialises
 torch.distributed exactly as it would under torchrun. Each rank's return value comes back pickled; a failing
 rank's traceback is raised in the parent; ranks still running after `timeout` seconds are killed and reported.
@@ -70,8 +70,22 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 240.0, **kwargs) -> l
     return _run_ranks(fn, world_size, args, kwargs, timeout)
 
 
+# Ranks start from a fork server that has imported these once, not from a fresh interpreter each: importing
+# torch and transformers is seconds of CPU per rank, paid by every spawn of every multi-rank test otherwise.
+# The server is a clean process (it imports, it runs nothing, no thread pool exists yet), so a fork of it is as
+# fresh as a spawn; cpbench itself is not preloaded (its import-time patching is under test).
+PRELOAD = ["torch", "torch.distributed", "transformers", "transformers.modeling_utils",
+           *(f"transformers.models.{m}.modeling_{m}" for m in ("llama", "qwen3", "mistral", "gemma3"))]
+
+
+def _context():
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
 def _run_ranks(fn, world_size: int, args: tuple, kwargs: dict, timeout: float) -> list:
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="cpbench-ranks-") as out_dir:
         procs = [
