@@ -4,8 +4,8 @@ for Qwen3 (plain, packed, left/right-padded and odd-length batches) and Llama, M
 Gemma3 (a sliding and a full layer) on packed, left-padded and odd-length ones. Loss, logits (gathered in the USP layout) and every gradient against
 the unsharded model; and a cp_usp sweep point's projection against its measurement. One spawn runs every case.
 
-cp 4 x fsdp 2 needs 8 ranks: `test_usp_with_fsdp` runs it, opt-in (`-m heavy`): 8 gloo processes of a 2-layer
-model take about a minute on a 2-core machine, more than the default suite's budget allows."""
+cp 4 x fsdp 2 needs 8 ranks: `test_usp_with_fsdp` runs them (8 gloo processes of a 2-layer model: about 17 s on a
+2-core machine, the ranks forked from the preloaded server of tests/spawn.py)."""
 
 from __future__ import annotations
 
@@ -107,7 +107,6 @@ def test_the_projection_of_a_usp_point_equals_its_measurement(results):
     assert results[0]["measured"]["comm_all_to_all_count"] > 0 and results[0]["measured"]["comm_p2p_count"] > 0
 
 
-@pytest.mark.heavy
 def test_usp_with_fsdp(spawn, tmp_path):
     """fsdp 2 x cp 4 (cp_usp 2 x 2) on 8 ranks: each fsdp pair of cp groups sees its own batch, and FSDP must
     average their gradients; loss, gathered logits and gradients against the unsharded runs."""
