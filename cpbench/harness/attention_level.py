@@ -25,7 +25,7 @@ from cpbench.cp.layout import SequenceLayout
 from . import parity
 from .peers import AttentionContext, get_peer
 from .presets import get_preset
-from .probes import SegmentPeaks, StepTimer, _mem_tracker_class, no_gc, rss_peak_bytes
+from .probes import StepTimer, memory_probe, rss_peak_bytes
 from .spec import NO_STYLE, Point
 
 
@@ -62,38 +62,6 @@ def unsharded(q, k, v) -> torch.Tensor:
     return out.transpose(1, 2)
 
 
-class _Memory:
-    """Peak bytes of one step: MemTracker on CPU (inputs counted as tracked tensors), the allocator's peak on CUDA."""
-
-    def __init__(self, device, tensors, budget: int | None):
-        self.cuda = device.type == "cuda"
-        self.peaks = SegmentPeaks()
-        if not self.cuda:
-            self.tracker = _mem_tracker_class()()
-            self.tracker.budget = budget
-            self.tracker.track_external(*tensors)
-
-    def step(self, fn) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            fn()
-            peak = torch.cuda.max_memory_allocated()
-            self.peaks.add(peak, {"Total": peak}, "step")
-            return
-        self.tracker.reset_mod_stats()
-        with no_gc(), self.tracker:
-            fn()
-        snap = max(self.tracker.get_tracker_snapshot("peak").values(), key=lambda s: s["Total"])
-        self.peaks.add(snap["Total"], dict(snap), "step")
-
-    def result(self) -> dict:
-        total = (self.peaks.top() or {"Total": 0})["Total"]
-        return {"peak_bytes": total, "reserved_bytes": None, "alloc_retries": None, "device_peak_bytes": None,
-                "params_bytes": 0, "grads_bytes": 0, "optimizer_bytes": 0, "temporaries_bytes": 0,
-                "activations_bytes": total, "notes": self.peaks.notes()}
-
-
 def run_attention_point(point: Point, *, rank: int, device, budget: int | None) -> tuple[dict, dict | None]:
     """This rank's record and, on rank 0, the parity verdict. Every rank of the point calls it."""
     t_start = time.perf_counter()
@@ -121,9 +89,10 @@ def run_attention_point(point: Point, *, rank: int, device, budget: int | None) 
             out.backward(dout)
         outputs["out"] = out.detach()
 
-    memory = _Memory(device, (q, k, v, dout), budget)
+    memory = memory_probe(point.device, (q, k, v, dout), None, budget)  # the inputs count as held state
     for _ in range(max(1, point.warmup_steps)):
-        memory.step(step)
+        with memory.segment("step"):
+            step()
     timer = StepTimer(point.device)
     for _ in range(point.measured_steps):
         if point.world_size > 1:

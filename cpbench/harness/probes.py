@@ -164,9 +164,10 @@ class CudaMemoryProbe:
         return self.peaks.top() or 0
 
     def result(self) -> dict:
-        params = _local_bytes(p for p in self.model.parameters())
+        params = _local_bytes(self.model.parameters()) if isinstance(self.model, torch.nn.Module) else 0
         grads = params  # at rest after backward every parameter has a gradient of its own size
-        opt = _local_bytes(t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t))
+        state = self.optimizer.state.values() if self.optimizer is not None else ()
+        opt = _local_bytes(t for s in state for t in s.values() if torch.is_tensor(t))
         return {
             "peak_bytes": self.peak, "reserved_bytes": self.reserved,
             "alloc_retries": torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0),
@@ -236,6 +237,8 @@ def nvml_handle(pynvml, device_index: int):
 
 
 def memory_probe(device: str, model, optimizer, budget: int | None):
+    """`model`: the module (or, for an attention op alone, the input tensors) held before the step; `optimizer`:
+    its optimizer, or None."""
     cls = CudaMemoryProbe if device == "cuda" else CpuMemoryProbe
     return cls(model, optimizer, budget)
 
