@@ -16,7 +16,7 @@ worker keeps a dead buffer counted for a while (seen: +128 KiB on one rank, a fe
 - CUDA: the caching allocator's peaks (reset per segment), alloc retries, and an NVML sampler of the device's
   used memory in a background thread. The breakdown is the at-rest size of parameters, gradients and
   optimizer state; activations are the rest of the peak. A budget caps the allocator
-  (`set_per_process_memory_fraction`).
+  (`set_per_process_memory_fraction`). The NVML sampler (nvml.py) reads the GPU's, or the MIG instance's, memory.
 - Both: the RSS high-water mark of the process, reset per point where Linux allows (`/proc/self/clear_refs`).
 """
 
@@ -25,11 +25,12 @@ from __future__ import annotations
 import contextlib
 import gc
 import resource
-import threading
 import time
 from pathlib import Path
 
 import torch
+
+from .nvml import NvmlSampler, nvml_handle  # noqa: F401 - the NVML part of the probes lives there
 
 BREAKDOWN = ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "temporaries_bytes")
 
@@ -185,55 +186,6 @@ def _local_bytes(tensors) -> int:
         t = t.to_local() if hasattr(t, "to_local") else t
         total += t.numel() * t.element_size()
     return total
-
-
-class NvmlSampler:
-    """Samples the device's used memory (all processes) every `interval_s` while entered; keeps the max."""
-
-    def __init__(self, device_index: int, interval_s: float = 0.005):
-        self.peak: int | None = None
-        self.interval_s = interval_s
-        self.error: str | None = None  # why `peak` is null (or partial); goes into the row's status_detail
-        try:
-            import pynvml
-
-            pynvml.nvmlInit()
-            self._handle = nvml_handle(pynvml, device_index)
-            self._read = lambda: pynvml.nvmlDeviceGetMemoryInfo(self._handle).used
-        except Exception as e:  # noqa: BLE001 - NVML is optional: the column is null and the row says why
-            self._read = None
-            self.error = f"NVML unavailable, device_peak_bytes is null: {type(e).__name__}: {e}"
-
-    def __enter__(self):
-        if self._read is None:
-            return self
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-        self._thread.start()
-        return self
-
-    def _loop(self):
-        while not self._stop.is_set():
-            try:
-                used = self._read()
-            except Exception as e:  # noqa: BLE001 - recorded (see `error`); the measurement goes on without it
-                self.error = f"NVML sampling failed, device_peak_bytes is partial: {type(e).__name__}: {e}"
-                return
-            self.peak = used if self.peak is None else max(self.peak, used)
-            time.sleep(self.interval_s)
-
-    def __exit__(self, *exc):
-        if self._read is not None:
-            self._stop.set()
-            self._thread.join()
-        return False
-
-
-def nvml_handle(pynvml, device_index: int):
-    """NVML's handle of torch's CUDA device `device_index`. NVML numbers the devices physically, torch after
-    CUDA_VISIBLE_DEVICES (as SLURM sets it): the device's UUID names the same GPU in both."""
-    uuid = str(torch.cuda.get_device_properties(device_index).uuid)
-    return pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
 
 
 def memory_probe(device: str, model, optimizer, budget: int | None):

@@ -15,7 +15,7 @@ import statistics
 from cpbench.report.schema import SCHEMA_VERSION
 
 from .env import now_iso
-from .flops import peak_flops, train_step_flops
+from .flops import no_peak_reason, peak_flops, train_step_flops
 from .presets import get_preset
 from .spec import Point
 
@@ -34,7 +34,7 @@ def base_row(point: Point, *, run_id: str, env: dict, budget: int | None, measur
 
         flops = attention_flops(point)
     else:
-        flops = float(train_step_flops(config, point.seq_len, point.batch_size * _dp(point)))
+        flops = model_flops(point, config)
     row.update(
         schema_version=SCHEMA_VERSION, measurement=measurement, run_id=run_id, point_id=point.point_id, point_key=point.point_key,
         model_type=config.model_type, spec_json=json.dumps(spec, sort_keys=True), memory_budget_bytes=budget,
@@ -42,6 +42,17 @@ def base_row(point: Point, *, run_id: str, env: dict, budget: int | None, measur
         timestamp=now_iso(), **env,
     )
     return row
+
+
+def model_flops(point: Point, config) -> float:
+    """Model FLOPs of the point's training step over the whole world, counted on the point's own batch (its packed
+    documents and padding: flops.py), once per data-parallel replica (a cp group shares one batch)."""
+    from .step import make_batch
+
+    batch = make_batch(point, config.vocab_size, "cpu")
+    per_batch = train_step_flops(config, point.seq_len, point.batch_size, position_ids=batch["position_ids"],
+                                 attention_mask=batch.get("attention_mask"))
+    return float(per_batch * _dp(point))
 
 
 def _dp(point: Point) -> int:
@@ -77,7 +88,11 @@ def measured_row(point: Point, records: list[dict], wall_s: float, **ctx) -> dic
     if row["measurement"] == "projected":
         row.update(parity_status="skipped", parity_detail="a projection computes no values: no parity")
     else:
-        row.update(_time_columns(records, row["flops_per_step"], point, ctx["env"]))
+        times = _time_columns(records, row["flops_per_step"], point, ctx["env"])
+        row.update(times)
+        if "mfu" in times and times["mfu"] is None:  # a CUDA row whose device has no known peak: say why
+            why = no_peak_reason(ctx["env"].get("device_name"), point.dtype)
+            row["status_detail"] = "; ".join(filter(None, [row["status_detail"], why]))
         row.update(records[0].get("parity") or {"parity_status": "error", "parity_detail": "rank 0 sent no parity"})
     budget = ctx.get("budget")
     if budget is not None and row["peak_bytes"] > budget:

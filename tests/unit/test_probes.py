@@ -131,3 +131,86 @@ def test_nvml_finds_the_device_by_uuid_not_by_torch_index(monkeypatch):
     sampler = probes.NvmlSampler(0)
     assert sampler.error is None and asked == [("uuid", "GPU-2222")]
     assert sampler._read() == 7  # the used memory of physical GPU 2
+
+
+class _FakeNvml:
+    """pynvml as a host with three GPUs sees it: GPU-aaaa cannot do MIG (NVML: not supported), GPU-bbbb is in MIG
+    mode with two instances in slots 0 and 2 of 7 (the others empty: not found), GPU-cccc has MIG off. Used memory
+    differs per device, so a test sees whose was read. `legacy`: MIG UUIDs in the pre-R470 "MIG-GPU-.../gi/ci" form."""
+
+    NVML_DEVICE_MIG_ENABLE, NVML_ERROR_NOT_SUPPORTED, NVML_ERROR_NOT_FOUND = 1, 3, 6
+
+    class NVMLError(Exception):
+        def __init__(self, value):
+            super().__init__(f"NVML error {value}")
+            self.value = value
+
+    def __init__(self, legacy: bool = False):
+        self.gpus = ["GPU-aaaa", "GPU-bbbb", "GPU-cccc"]
+        first, second = ("MIG-GPU-bbbb/1/0", "MIG-GPU-bbbb/2/0") if legacy else ("MIG-1111", "MIG-2222")
+        self.migs = {0: first, 2: second}
+        self.used = {"GPU-aaaa": 1, "GPU-bbbb": 2, "GPU-cccc": 3, first: 11, second: 22}
+
+    def nvmlInit(self):
+        pass
+
+    def nvmlDeviceGetCount(self):
+        return len(self.gpus)
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        return self.gpus[i]
+
+    def nvmlDeviceGetHandleByUUID(self, uuid):
+        if uuid not in self.gpus:
+            raise self.NVMLError(self.NVML_ERROR_NOT_FOUND)
+        return uuid
+
+    def nvmlDeviceGetMigMode(self, gpu):
+        if gpu == "GPU-aaaa":
+            raise self.NVMLError(self.NVML_ERROR_NOT_SUPPORTED)
+        return (1, 1) if gpu == "GPU-bbbb" else (0, 0)
+
+    def nvmlDeviceGetMaxMigDeviceCount(self, gpu):
+        return 7 if gpu == "GPU-bbbb" else 0
+
+    def nvmlDeviceGetMigDeviceHandleByIndex(self, gpu, j):
+        if gpu != "GPU-bbbb" or j not in self.migs:
+            raise self.NVMLError(self.NVML_ERROR_NOT_FOUND)
+        return self.migs[j]
+
+    def nvmlDeviceGetUUID(self, handle):
+        return handle.encode()  # older nvidia-ml-py returns bytes
+
+    def nvmlDeviceGetMemoryInfo(self, handle):
+        import types
+
+        return types.SimpleNamespace(used=self.used[handle])
+
+
+def _sampler_on(monkeypatch, fake, torch_uuid: str):
+    import types
+
+    import torch
+
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(uuid=torch_uuid))
+    return probes.NvmlSampler(0)
+
+
+def test_nvml_reads_the_mig_instance_this_process_runs_on(monkeypatch):
+    """Under CUDA_VISIBLE_DEVICES=MIG-2222 torch reports the instance's UUID, which NVML's GPU lookup does not know:
+    the instance is found among the MIG devices, and its memory (not its GPU's, nor the other instance's) is read."""
+    sampler = _sampler_on(monkeypatch, _FakeNvml(), "2222")
+    assert sampler.error is None and sampler._read() == 22
+    from cpbench.harness.nvml import handle_by_uuid
+
+    assert handle_by_uuid(_FakeNvml(), "MIG-1111") == "MIG-1111"  # as CUDA_VISIBLE_DEVICES spells it
+    assert handle_by_uuid(_FakeNvml(legacy=True), "MIG-GPU-bbbb/2/0") == "MIG-GPU-bbbb/2/0"
+
+
+def test_nvml_still_finds_a_whole_gpu_and_names_an_unknown_uuid(monkeypatch):
+    sampler = _sampler_on(monkeypatch, _FakeNvml(), "cccc")
+    assert sampler.error is None and sampler._read() == 3
+    lost = _sampler_on(monkeypatch, _FakeNvml(), "9999")
+    assert lost.peak is None and "NVML unavailable" in lost.error and "'9999'" in lost.error
+    assert "MIG instances" in lost.error

@@ -204,3 +204,29 @@ def test_mixed_precision_points_are_named_and_one_rank_points_are_skipped_with_w
     assert all(p.mixed_precision and "/mixed-precision/" in p.point_id for p in points)
     reasons = {p.world_size: SkipRules().why_skip(p) for p in points}
     assert "1-rank point is not sharded" in reasons[1] and reasons[2] is None
+
+
+def test_an_unknown_choice_in_one_list_hides_no_error_in_the_others():
+    text = BASE.replace("[128, 64]", "[512, -3]").replace('"sdpa"]', '"sdpa", "nope"]').replace(
+        '"cp_ring"]', '"cp_nope"]')
+    with pytest.raises(ValueError) as raised:
+        _load(text)
+    message = str(raised.value)
+    assert message.startswith("t.toml: 3 errors:"), message
+    for field, value, fix in (("seq_lens", "-3", "integer >= 2"), ("attn_implementations", "'nope'", "use one of"),
+                              ("cp_styles", "'cp_nope'", "use one of")):
+        assert f"`{field}` = {value}: " in message and fix in message, (field, message)
+
+
+def test_every_bad_value_of_a_list_and_the_config_checks_are_reported_beside_other_errors():
+    # two unknown backends, a length past max_position_embeddings and a cp size cp_ulysses cannot shard (both need
+    # the model's config), next to a wrong dtype: each is reported
+    text = BASE.replace('"sdpa"]', '"sdpa", "nope", "nada"]').replace("[128, 64]", "[128, 99999]").replace(
+        "[1, 2]", "[1, 2, 3]") + 'dtype = "fp8"\n'
+    with pytest.raises(ValueError) as raised:
+        _load(text)
+    message = str(raised.value)
+    for part in ("`attn_implementations` = 'nope'", "`attn_implementations` = 'nada'", "`seq_lens` = 99999",
+                 "`cp_sizes` = 3: cp_ulysses shards", "`dtype` = 'fp8'"):
+        assert part in message, (part, message)
+    assert message.startswith("t.toml: 5 errors:"), message
