@@ -41,35 +41,59 @@ LSE_ALIGN = 32  # the efficient kernel's LSE is [B, H, ceil(S / 32) * 32] (see t
 BIAS_BLOCK_BYTES = 1 << 28  # a masked tile runs in row blocks whose bias is at most this (256 MiB)
 
 
+def aten_ops() -> dict:
+    """The six aten ops the kernel calls, by role (a test stands emulations in here for a whole model's run)."""
+    aten = torch.ops.aten
+    return {
+        "flash": aten._scaled_dot_product_flash_attention,
+        "flash_backward": aten._scaled_dot_product_flash_attention_backward,
+        "efficient": aten._scaled_dot_product_efficient_attention,
+        "efficient_backward": aten._scaled_dot_product_efficient_attention_backward,
+        "varlen": aten._flash_attention_forward,
+        "varlen_backward": aten._flash_attention_backward,
+    }
+
+
+FLASH_MIN_CAPABILITY = (8, 0)  # PyTorch's flash kernels (and flash-attn 2) are built for Ampere and newer
+
+
+def cuda_capability(q: torch.Tensor) -> tuple[int, int]:
+    """The compute capability of the query's GPU; a query that is not on a CUDA device (a projection's fake step,
+    which targets a current GPU) counts as Ampere."""
+    if q.device.type == "cuda":
+        return tuple(torch.cuda.get_device_capability(q.device))
+    return FLASH_MIN_CAPABILITY
+
+
 class CudaSdpaKernel:
-    def __init__(self, ops=None, bias_block_bytes: int = BIAS_BLOCK_BYTES):
-        aten = torch.ops.aten
-        self.ops = ops or {
-            "flash": aten._scaled_dot_product_flash_attention,
-            "flash_backward": aten._scaled_dot_product_flash_attention_backward,
-            "efficient": aten._scaled_dot_product_efficient_attention,
-            "efficient_backward": aten._scaled_dot_product_efficient_attention_backward,
-            "varlen": aten._flash_attention_forward,
-            "varlen_backward": aten._flash_attention_backward,
-        }
+    def __init__(self, ops=None, bias_block_bytes: int = BIAS_BLOCK_BYTES,
+                 capability: tuple[int, int] = FLASH_MIN_CAPABILITY):
+        """`capability`: the GPU's compute capability. Below 8.0 (T4, V100) the flash kernels do not run: every
+        tile goes to the memory-efficient kernel, which runs there in fp16 and fp32 (bf16 needs 8.0: refused)."""
+        self.ops = ops or aten_ops()
         self.softcap = None  # the selector sends soft-capped models to TorchKernel
         self.bias_block_bytes = bias_block_bytes
+        self.flash = tuple(capability) >= FLASH_MIN_CAPABILITY
+        self.capability = tuple(capability)
         self._exact = TorchKernel()
         self._varlen = VarlenOps(self._varlen_forward, self._varlen_backward)
 
-    @staticmethod
-    def takes_segments(q: torch.Tensor) -> bool:
-        """Whether this layer's masked tiles can come as SEGMENTS (the flash kernel's dtypes and head dims)."""
-        return q.dtype in FLASH_DTYPES and q.shape[-1] <= FLASH_MAX_HEAD_DIM
+    def takes_segments(self, q: torch.Tensor) -> bool:
+        """Whether this layer's masked tiles can come as SEGMENTS (the flash kernel's GPUs, dtypes and head dims)."""
+        return self.flash and q.dtype in FLASH_DTYPES and q.shape[-1] <= FLASH_MAX_HEAD_DIM
 
-    @staticmethod
-    def route(q: torch.Tensor, tile: TileMask) -> str:
+    def route(self, q: torch.Tensor, tile: TileMask) -> str:
         """"flash", "varlen", "efficient" or "torch": which kernel serves this tile."""
         if tile.kind == SEGMENTS:
             return "varlen"
         if tile.uniform is not None or q.dtype not in FUSED_DTYPES:
             return "torch"
-        if tile.kind != DENSE and q.dtype in FLASH_DTYPES and q.shape[-1] <= FLASH_MAX_HEAD_DIM:
+        if not self.flash and q.dtype == torch.bfloat16:
+            raise ValueError(
+                f"cp_ring: bfloat16 attention needs a GPU of compute capability 8.0 (Ampere) or newer; this one is "
+                f"sm{self.capability[0]}{self.capability[1]}. Load the model in float16 or float32 on this GPU."
+            )
+        if self.flash and tile.kind != DENSE and q.dtype in FLASH_DTYPES and q.shape[-1] <= FLASH_MAX_HEAD_DIM:
             return "flash"
         return "efficient"
 
@@ -81,18 +105,21 @@ class CudaSdpaKernel:
         if route == "varlen":
             return varlen_forward(self._varlen, q, k, v, tile.segments, scale, acc)
         if route == "flash":  # GQA natively: one call for all heads
-            out, lse, *_ = self.ops["flash"](q, k, v, 0.0, tile.kind == CAUSAL, False, scale=scale)
-            return out.to(acc), lse.to(acc)
+            out, lse, *_ = self.ops["flash"](_pad8(q), _pad8(k), _pad8(v), 0.0, tile.kind == CAUSAL, False,
+                                             scale=scale)
+            return out[..., : q.shape[-1]].to(acc), lse.to(acc)
         b, h, sq, d = q.shape
         g = h // k.shape[1]
         out = torch.empty(b, h, sq, d, dtype=acc, device=q.device)
         lse = torch.empty(b, h, sq, dtype=acc, device=q.device)
+        q, k, v = _pad8(q), _pad8(k), _pad8(v)  # the efficient kernel's aligned strides (see _pad8)
         for rows, bias in self._row_blocks(tile, q.dtype, sq, k.shape[2]):
             n = rows.stop - rows.start
             for j, heads in _groups(k.shape[1], g):
                 o, l, *_ = self.ops["efficient"](q[:, heads, rows], _expand(k, j, g), _expand(v, j, g),
-                                                 _heads(bias, heads, g), True, 0.0, tile.kind == CAUSAL, scale=scale)
-                out[:, heads, rows] = o
+                                                 _call_bias(bias, b, heads, g), True, 0.0, tile.kind == CAUSAL,
+                                                 scale=scale)
+                out[:, heads, rows] = o[..., :d]
                 lse[:, heads, rows] = l[..., :n]
                 del o, l
         if tile.kind == DENSE:
@@ -110,14 +137,17 @@ class CudaSdpaKernel:
         causal = tile.kind == CAUSAL
         out, dout = out.to(q.dtype), dout.to(q.dtype)
         if route == "flash":
+            d = q.shape[-1]
             seed, offset = _philox(q.device)
-            gq, gk, gv = self.ops["flash_backward"](dout, q, k, v, out, lse.contiguous(), None, None, sq, k.shape[2],
-                                                    0.0, causal, seed, offset, scale=scale)[:3]
-            dq += gq
-            dk += gk
-            dv += gv
+            gq, gk, gv = self.ops["flash_backward"](_pad8(dout), _pad8(q), _pad8(k), _pad8(v), _pad8(out),
+                                                    lse.contiguous(), None, None, sq, k.shape[2], 0.0, causal, seed,
+                                                    offset, scale=scale)[:3]
+            dq += gq[..., :d]
+            dk += gk[..., :d]
+            dv += gv[..., :d]
             return None
-        g = q.shape[1] // k.shape[1]
+        b, g, d = q.shape[0], q.shape[1] // k.shape[1], q.shape[-1]
+        dout, q, k, v, out = (_pad8(x) for x in (dout, q, k, v, out))
         for rows, bias in self._row_blocks(tile, q.dtype, sq, k.shape[2]):
             n = rows.stop - rows.start
             for j, heads in _groups(k.shape[1], g):
@@ -125,12 +155,12 @@ class CudaSdpaKernel:
                 seed, offset = _philox(q.device, flash=False)
                 gq, gk, gv = self.ops["efficient_backward"](
                     dout[:, heads, rows], q[:, heads, rows], _expand(k, j, g), _expand(v, j, g),
-                    _heads(bias, heads, g), out[:, heads, rows], lj, seed, offset, 0.0, [True, True, True, False],
-                    causal, scale=scale,
+                    _call_bias(bias, b, heads, g), _rows_packed(out[:, heads, rows]), lj, seed, offset, 0.0,
+                    [True, True, True, False], causal, scale=scale,
                 )[:3]
-                dq[:, heads, rows] += gq
-                dk[:, j] += gk.sum(1, dtype=dk.dtype)  # the group's shares, summed in the accumulation dtype
-                dv[:, j] += gv.sum(1, dtype=dv.dtype)
+                dq[:, heads, rows] += gq[..., :d]
+                dk[:, j] += gk[..., :d].sum(1, dtype=dk.dtype)  # the group's shares, summed in the accumulation dtype
+                dv[:, j] += gv[..., :d].sum(1, dtype=dv.dtype)
                 del gq, gk, gv
         return None
 
@@ -180,13 +210,32 @@ def _bias(tile: TileMask, dtype: torch.dtype) -> torch.Tensor | None:
     return bias
 
 
-def _heads(bias: torch.Tensor | None, heads: slice, g: int) -> torch.Tensor | None:
-    """The bias of one kv head's query heads: a shared [B, 1, q, k] bias broadcast (a view), a per-head one sliced."""
+def _call_bias(bias: torch.Tensor | None, batch: int, heads: slice, g: int) -> torch.Tensor | None:
+    """The bias of one kv head's query heads at the call's exact [B, g, q, k] size: the efficient kernel checks
+    every dimension of the bias against the call (batch and heads included) and never broadcasts, so a shared
+    [1|B, 1, q, k] bias is expanded (a stride-0 view, which it reads as such) and a per-head one sliced."""
     if bias is None:
         return None
     if bias.shape[1] != 1:
-        return bias[:, heads]
-    return bias.expand(bias.shape[0], g, *bias.shape[2:])
+        bias = bias[:, heads]
+    return bias.expand(batch, g, *bias.shape[2:])
+
+
+def _rows_packed(x: torch.Tensor) -> torch.Tensor:
+    """[B, h, n, D] laid out as [B, n, h, D] contiguous memory. The fp16/bf16 efficient backward computes
+    delta = rowsum(dO * O) inside the kernel and reads O's row stride as h * D of the call (kernel_backward.h,
+    `o_strideM()`), not from the tensor: a slice of the ring's saved output over some heads has the row stride of
+    all heads, so the kernel would read other rows."""
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def _pad8(x: torch.Tensor) -> torch.Tensor:
+    """The head dim zero-padded to a multiple of 8: the flash op checks `head_size % 8 == 0` itself (sdpa pads in
+    its dispatcher before calling it), and the efficient kernel wants its row and head strides (and data pointers)
+    aligned to 8 elements in fp16/bf16 and 4 in fp32, or finds no kernel to launch (kernel_forward.h,
+    kernel_backward.h). Zeros change no score, and the scale is always passed explicitly."""
+    d = x.shape[-1]
+    return torch.nn.functional.pad(x, (0, -d % 8)) if d % 8 else x
 
 
 def _window(left: int, right: int) -> dict:

@@ -56,12 +56,15 @@ def flash_kernel_or_none(query: torch.Tensor, softcap: float | None, device_type
     """The flash-attn kernel when it can run here (CUDA, fp16/bf16, flash-attn installed), else None."""
     if (device_type or query.device.type) != "cuda" or query.dtype not in FLASH_DTYPES:
         return None
+    from .ring_cuda import FLASH_MIN_CAPABILITY, CudaSdpaKernel, cuda_capability
+
+    capability = cuda_capability(query)
+    if capability < FLASH_MIN_CAPABILITY:  # flash-attn 2 runs on Ampere and newer only
+        return None
     ops = _flash_ops()
     if ops is None:
         return None
-    from .ring_cuda import CudaSdpaKernel
-
-    return FlashAttnKernel(*ops, softcap=softcap, masked=None if softcap else CudaSdpaKernel())
+    return FlashAttnKernel(*ops, softcap=softcap, masked=None if softcap else CudaSdpaKernel(capability=capability))
 
 
 def _bshd(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -180,7 +180,7 @@ def select_kernel(
     if softcap is None and device_type == "cpu" and query.dtype in CPU_SDPA_DTYPES:
         return CpuSdpaKernel()
     if softcap is None and device_type == "cuda":
-        from .ring_cuda import CudaSdpaKernel
+        from .ring_cuda import CudaSdpaKernel, cuda_capability
 
-        return CudaSdpaKernel()
+        return CudaSdpaKernel(capability=cuda_capability(query))
     return TorchKernel(softcap)

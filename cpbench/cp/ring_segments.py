@@ -7,11 +7,14 @@ Inside one document such a tile is therefore causal over identical ranges (diago
 queries), and the documents of a tile are independent sequences: exactly flash's varlen form (cu_seqlens), with a
 row's padded keys cut off each document's key range. A sliding window that cuts into the tile is flash's
 `window_size` (bottom-right aligned, which is top-left for equal lengths): (w - 1, 0) on the diagonal, for every
-document; (w - 1 - d, -1) for keys d positions before the queries. A varlen call has one window for all its
-sequences, so off the diagonal a window is taken only where every segment it cuts has equal query and key lengths
-and the same offset d, and it leaves the others whole. Anything else (a padded run inside a document's keys,
-right-padded queries past the last key on the diagonal, a window edge beyond the tile) stays a DENSE tile. Rows outside every segment see no key in the tile: output 0, LSE -inf,
-as the ring's merge expects; every row inside a segment sees at least one key, so no kernel meets an empty row.
+document; (w - 1 - d, -1) for keys d positions before the queries, where flash reads -1 beside a left window as
+max_seqlen_k (not unbounded). A varlen call has one window for all its sequences, so off the diagonal a window is
+taken only where every segment it cuts has equal query and key lengths and the same offset d, it leaves the others
+whole, and no segment has more queries than max_seqlen_k + 1 (whose first rows would lose keys). Anything else (a
+padded run inside a document's keys, right-padded queries past the last key on the diagonal, a window edge beyond
+the tile, a window flash cannot say) stays a DENSE tile. Rows outside every segment see no key in the tile: output 0,
+LSE -inf, as the ring's merge expects; every row inside a segment sees at least one key, so no kernel meets an empty
+row (flash would give it LSE +inf, which the merge would turn into NaN).
 
 The kernels (`ring_cuda.CudaSdpaKernel` through aten's flash op, `ring_flash.FlashAttnKernel` through flash-attn)
 each supply a `VarlenOps` pair; packing, cu_seqlens and scattering back are here, once.
@@ -103,6 +106,13 @@ def _window(runs: list[Run], window: int | None, q0: int, k0: int, causal: bool,
         return None
     left = lefts.pop()
     if left < 0 or any(left < ke - ks - 1 for run in runs if run not in cut for _, _, _, ks, ke in (run,)):
+        return None
+    # flash has no "unbounded on the right" beside a left window: `left >= 0, right < 0` becomes right = max_k
+    # (set_params_fprop, and mha_varlen_fwd maps right >= max_k to -1 first), bottom-right aligned per sequence, so
+    # query i of a run sees keys up to i + (k len - q len) + max_k. The first query keeps its run's last key only
+    # when q len <= max_k + 1; a run with more queries than that (an uncut document with few keys in the tile)
+    # would lose keys, so such a tile stays DENSE.
+    if max(qe - qs for _, qs, qe, _, _ in runs) > max(ke - ks for _, _, _, ks, ke in runs) + 1:
         return None
     return (left, -1)
 

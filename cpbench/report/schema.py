@@ -104,7 +104,8 @@ COLUMNS: dict[str, tuple[pa.DataType, str]] = {
     "step_time_p10_s": (pa.float64(), "10th percentile of step_times_s"),
     "step_time_p90_s": (pa.float64(), "90th percentile of step_times_s"),
     "tokens_per_s": (pa.float64(), "tokens of the global batch per second at the median step"),
-    "flops_per_step": (pa.float64(), "model FLOPs per training step (causal-aware), whole world"),
+    "flops_per_step": (pa.float64(), "model FLOPs per training step, whole world: real tokens, and the query-key "
+                       "pairs the mask keeps (causal, documents, windows)"),
     "tflops_per_s": (pa.float64(), "achieved TFLOP/s per device (null on CPU)"),
     "mfu": (pa.float64(), "model FLOPs utilisation against the device's peak (null when unknown)"),
     # parity against the unsharded reference of the same weights and batch
