@@ -1,12 +1,15 @@
-"""SEGMENTS tiles (cpbench/cp/ring_segments.py): masked ring tiles in flash's varlen form, on CPU.
+"""SEGMENTS tiles (cpbench/cp/ring_segments.py): masked ring tiles in flash's varlen form, on CPU, against the
+varlen kernels as tests/emulation/ emulates them from their sources (aten's `_flash_attention_forward/_backward` in
+aten_flash.py, flash-attn 2.8.3's `_flash_attn_varlen_forward/_backward` in flash_attn.py, both on _flash.py).
 
 1. The derivation: for every tile of packed, padded and sliding-window batches, the mask the segments mean under
-   flash's rules (each segment its own sequence; causal and the window aligned bottom-right; -1 unbounded) is
-   exactly the tile's dense mask. A tile the segments cannot say must stay DENSE.
-2. The glue: both kernels' varlen paths (aten's `_flash_attention_forward/_backward` with cu_seqlens for sdpa,
-   flash-attn's `_flash_attn_varlen_forward/_backward`) against strict emulations of those functions, compared with
-   the exact kernel on the dense tile: output, LSE (rows outside every segment -inf), dq, dk, dv, with GQA and a
-   head dim that needs padding.
+   flash's own rules (each segment its own sequence; causal and the window aligned bottom-right; the window as
+   `_flash.window` leaves it for the tile's max_seqlen_k, where `(left >= 0, -1)` means right = max_seqlen_k, not
+   unbounded) is exactly the tile's dense mask, and every row of a segment sees a key (flash would give it LSE
+   +inf). A tile the segments cannot say must stay DENSE.
+2. The glue: both kernels' varlen paths (`CudaSdpaKernel` through aten's ops, `FlashAttnKernel` through
+   flash-attn's) in bf16 and fp16, compared with the exact kernel on the dense tile: output, LSE (rows outside
+   every segment -inf), dq, dk, dv, with GQA and a head dim that needs padding.
 3. The real aten ops accept the calls under fake tensors (what a projection runs).
 """
 
@@ -20,139 +23,9 @@ from cpbench.cp.ring_cuda import CudaSdpaKernel
 from cpbench.cp.ring_flash import FlashAttnKernel
 from cpbench.cp.ring_kernels import TorchKernel, acc_dtype
 from cpbench.cp.ring_masks import DENSE, SEGMENTS, TileMask, build_ring_masks
-from tests.unit.test_ring_cuda import bind
-from tests.unit.test_ring_flash import as_rows, flash_bwd, flash_fwd, tolerances
-
-CPU_STAND_IN = torch.float32  # on CPU for fp16/bf16, which the flash kernels alone take
-
-
-# -- the emulation: flash's varlen semantics, strictly --------------------------------------------------------------
-
-
-def _visible(lq: int, lk: int, causal: bool, left: int, right: int) -> torch.Tensor:
-    """[lq, lk] bool: query i sees key j when i + lk - lq - left <= j <= i + lk - lq + right (-1: unbounded;
-    causal makes right 0), flash's bottom-right alignment."""
-    right = 0 if causal else right
-    i = torch.arange(lq)[:, None] + lk - lq
-    j = torch.arange(lk)[None, :]
-    ok = torch.ones(lq, lk, dtype=torch.bool)
-    if left >= 0:
-        ok &= j >= i - left
-    if right >= 0:
-        ok &= j <= i + right
-    return ok
-
-
-def _sequences(q, k, cu_q, cu_k, max_q, max_k):
-    assert q.dim() == k.dim() == 3 and q.shape[-1] == k.shape[-1] and q.shape[1] % k.shape[1] == 0, (q.shape, k.shape)
-    assert q.dtype in (torch.float16, torch.bfloat16, CPU_STAND_IN) and q.dtype == k.dtype
-    assert q.shape[-1] % 8 == 0 and q.shape[-1] <= 256, f"head dim {q.shape[-1]}"
-    assert all(x.stride(-1) == 1 for x in (q, k))
-    for cu, total, longest in ((cu_q, q.shape[0], max_q), (cu_k, k.shape[0], max_k)):
-        assert cu.dtype == torch.int32 and cu.dim() == 1 and cu[0] == 0 and cu[-1] == total, cu
-        lens = cu.diff()
-        assert bool((lens > 0).all()) and int(lens.max()) == longest, (cu, longest)
-    assert cu_q.numel() == cu_k.numel()
-    return list(zip(cu_q.tolist(), cu_q.tolist()[1:], cu_k.tolist(), cu_k.tolist()[1:]))
-
-
-def _scores(q, k, scale, softcap, visible):
-    """[H, lq, lk] fp32 from [l, H, D] tokens (kv heads repeated), capped, masked."""
-    kh = k.float().repeat_interleave(q.shape[1] // k.shape[1], 1)
-    s = torch.einsum("qhd,khd->hqk", q.float(), kh) * scale
-    raw = s
-    if softcap:
-        s = softcap * torch.tanh(s / softcap)
-    return s.masked_fill(~visible, float("-inf")), raw
-
-
-def emulated_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, left, right, scale, softcap=0.0):
-    out = torch.empty_like(q)
-    lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32)
-    for qa, qb, ka, kb in _sequences(q, k, cu_q, cu_k, max_q, max_k):
-        visible = _visible(qb - qa, kb - ka, causal, left, right)
-        assert bool(visible.any(-1).all()), "a row sees no key: flash would return LSE +inf for it"
-        s, _ = _scores(q[qa:qb], k[ka:kb], scale, softcap, visible)
-        lse[:, qa:qb] = torch.logsumexp(s, -1)
-        vh = v[ka:kb].float().repeat_interleave(q.shape[1] // v.shape[1], 1)
-        out[qa:qb] = torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), vh).to(q.dtype)
-    return out, lse
-
-
-def emulated_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, left, right, scale, softcap=0.0):
-    """P from the LSE given (the ring's merged one), as flash's backward does."""
-    assert lse.dtype == torch.float32 and lse.shape == (q.shape[1], q.shape[0]) and lse.is_contiguous(), lse.shape
-    assert out.dtype == dout.dtype == q.dtype and out.shape == dout.shape == q.shape
-    g = q.shape[1] // k.shape[1]
-    dq, dk, dv = (torch.zeros(x.shape, dtype=torch.float32) for x in (q, k, v))
-    for qa, qb, ka, kb in _sequences(q, k, cu_q, cu_k, max_q, max_k):
-        s, raw = _scores(q[qa:qb], k[ka:kb], scale, softcap, _visible(qb - qa, kb - ka, causal, left, right))
-        p = torch.exp(s - lse[:, qa:qb, None])
-        do, o = dout[qa:qb].float(), out[qa:qb].float()
-        vh = v[ka:kb].float().repeat_interleave(g, 1)
-        kh = k[ka:kb].float().repeat_interleave(g, 1)
-        dvh = torch.einsum("hqk,qhd->khd", p, do)
-        ds = p * (torch.einsum("qhd,khd->hqk", do, vh) - (do * o).sum(-1).T[:, :, None])
-        if softcap:
-            ds = ds * (1 - torch.tanh(raw / softcap) ** 2)
-        dq[qa:qb] = torch.einsum("hqk,khd->qhd", ds, kh) * scale
-        dkh = torch.einsum("hqk,qhd->khd", ds, q[qa:qb].float()) * scale
-        dk[ka:kb] = dkh.unflatten(1, (-1, g)).sum(2)
-        dv[ka:kb] = dvh.unflatten(1, (-1, g)).sum(2)
-    return tuple(x.to(q.dtype) for x in (dq, dk, dv))
-
-
-def aten_varlen(*args, **kwargs):
-    a = bind("varlen", args, kwargs)
-    assert a["dropout_p"] == 0.0 and a["return_debug_mask"] is False and a["cum_seq_q"] is not None
-    window = [a.get(f"window_size_{side}") for side in ("left", "right")]
-    assert all(w is None or (type(w) is int and w >= 0) for w in window), f"aten wants None for unbounded: {window}"
-    left, right = (-1 if w is None else w for w in window)
-    out, lse = emulated_forward(a["query"], a["key"], a["value"], a["cum_seq_q"], a["cum_seq_k"], a["max_q"],
-                                a["max_k"], a["is_causal"], left, right, a["scale"])
-    return out, lse, torch.zeros(2, dtype=torch.int64), torch.zeros((), dtype=torch.int64), torch.empty(0)
-
-
-def aten_varlen_backward(*args, **kwargs):
-    a = bind("varlen_backward", args, kwargs)
-    assert a["dropout_p"] == 0.0
-    left, right = (-1 if a.get(f"window_size_{s}") is None else a[f"window_size_{s}"] for s in ("left", "right"))
-    return emulated_backward(a["grad_out"], a["query"], a["key"], a["value"], a["out"], a["logsumexp"],
-                             a["cum_seq_q"], a["cum_seq_k"], a["max_q"], a["max_k"], a["is_causal"], left, right,
-                             a["scale"])
-
-
-def flash_attn_varlen_fwd(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, softmax_scale, causal, window_size_left,
-                          window_size_right, softcap, alibi_slopes, return_softmax):
-    assert dropout_p == 0.0 and alibi_slopes is None and return_softmax is False and type(softcap) is float
-    out, lse = emulated_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, window_size_left, window_size_right,
-                                softmax_scale, softcap)
-    return out, lse, None, None
-
-
-def flash_attn_varlen_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_q, cu_k, max_q, max_k, dropout_p,
-                          softmax_scale, causal, window_size_left, window_size_right, softcap, alibi_slopes,
-                          deterministic, rng_state):
-    assert dropout_p == 0.0 and alibi_slopes is None and deterministic is False
-    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape  # written in place
-    grads = emulated_backward(dout, q, k, v, out, softmax_lse, cu_q, cu_k, max_q, max_k, causal, window_size_left,
-                              window_size_right, softmax_scale, softcap)
-    for buf, g in zip((dq, dk, dv), grads):
-        buf.copy_(g)
-
-
-ATEN_OPS = {"varlen": torch.ops.aten._flash_attention_forward.default,
-            "varlen_backward": torch.ops.aten._flash_attention_backward.default}
-EMULATED = {"varlen": aten_varlen, "varlen_backward": aten_varlen_backward}
-
-
-@pytest.fixture(autouse=True)
-def _aten_schemas(monkeypatch):
-    from tests.unit import test_ring_cuda
-
-    monkeypatch.setitem(test_ring_cuda.ATEN, "varlen", ATEN_OPS["varlen"])
-    monkeypatch.setitem(test_ring_cuda.ATEN, "varlen_backward", ATEN_OPS["varlen_backward"])
-
+from tests.emulation import _flash
+from tests.emulation.aten_sdpa import OPS
+from tests.unit.test_ring_flash import FLASH_ATTN, HALF, as_ring_output, as_rows, tolerances
 
 # -- batches and their tiles ----------------------------------------------------------------------------------------
 
@@ -176,6 +49,10 @@ CASES = {  # name: (attention_mask, position_ids, sliding window, batch)
     "window": (None, None, 5, 2),
     "wide-window": (None, None, 9, 1),
     "window-packed": (None, _packed((5, 9, 3, 5)), 4, 1),
+    # chunks of 11: the tile (11, 0) holds row 0's second document as 11 queries over 1 key (uncut) and row 1's
+    # middle one as 8 over 8 (cut): flash's right = max_seqlen_k = 8 beside a left window would hide that key from
+    # the first two of the 11 rows
+    "window-packed-per-row": (None, _packed((10, 12), (3, 16, 3)), 12, 2),
 }
 
 
@@ -195,12 +72,21 @@ def all_tiles(case: str, n: int):
 
 
 def segment_mask(tile: TileMask, batch: int, n: int) -> torch.Tensor:
+    """The [B, 1, n, n] mask flash computes for the tile's segments: each run its own sequence, the window as
+    mha_varlen_fwd/bwd leave it for the call's max_seqlen_k (the longest key run, as ring_segments packs them)."""
     seg = tile.segments
+    max_q = max(qe - qs for _, qs, qe, _, _ in seg.runs)
+    max_k = max(ke - ks for _, _, _, ks, ke in seg.runs)
+    # the forward drops causal when max_seqlen_q == 1 and the backward does not: both must mean the same mask
+    fwd = _flash.window(max_k, seg.causal, *seg.window, drop_causal=max_q == 1)
+    bwd = _flash.window(max_k, seg.causal, *seg.window)
     out = torch.zeros(batch if seg.rows == 1 else seg.rows, 1, n, n, dtype=torch.bool)
     for row, qs, qe, ks, ke in seg.runs:
-        rows = range(batch) if seg.rows == 1 else (row,)
-        for r in rows:
-            out[r, 0, qs:qe, ks:ke] = _visible(qe - qs, ke - ks, seg.causal, *seg.window)
+        visible = _flash.visible(qe - qs, ke - ks, fwd)
+        assert torch.equal(visible, _flash.visible(qe - qs, ke - ks, bwd)), (seg, fwd, bwd)
+        assert bool(visible.any(-1).all()), f"a row of run {(row, qs, qe, ks, ke)} sees no key: flash's LSE +inf"
+        for r in range(batch) if seg.rows == 1 else (row,):
+            out[r, 0, qs:qe, ks:ke] = visible
     return out
 
 
@@ -240,9 +126,8 @@ def _segment_tiles(case: str, n: int):
 
 def _kernels():
     return {
-        "aten": lambda softcap: CudaSdpaKernel(EMULATED),
-        "flash-attn": lambda softcap: FlashAttnKernel(flash_fwd, flash_bwd, flash_attn_varlen_fwd,
-                                                      flash_attn_varlen_bwd, softcap=softcap),
+        "aten": lambda softcap: CudaSdpaKernel(OPS),
+        "flash-attn": lambda softcap: FlashAttnKernel(*FLASH_ATTN, softcap=softcap),
     }
 
 
@@ -254,17 +139,18 @@ def assert_close(got, ref, tol, what):
 
 
 def _run(kernel, tile, q, k, v, dout, ref_out, ref_lse):
-    """Forward, then backward into views of pre-filled accumulators (the ring hands a kernel dq[:, :, rows]);
-    returns the output, the LSE and what the backward added."""
+    """Forward, then backward given the final output in the ring's layout, into views of pre-filled accumulators
+    (the ring hands a kernel dq[:, :, rows]); returns the output, the LSE and what the backward added."""
     out, lse = kernel.forward(q, k, v, tile, 0.3)
     accs = [as_rows(torch.randn(x.shape, generator=torch.Generator().manual_seed(i)).to(acc_dtype(q.dtype)), i)
             for i, x in enumerate((q, k, v))]
     start = [whole.clone() for whole, _ in accs]
-    kernel.backward(dout, q, k, v, ref_out.to(q.dtype), ref_lse, tile, 0.3, *(view for _, view in accs))
+    kernel.backward(dout, q, k, v, as_ring_output(ref_out.to(q.dtype)), ref_lse, tile, 0.3,
+                    *(view for _, view in accs))
     return out, lse, [(whole - s)[:, :, 1:-1] for (whole, _), s in zip(accs, start)]
 
 
-@pytest.mark.parametrize("dtype", [CPU_STAND_IN, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", HALF, ids=str)
 @pytest.mark.parametrize("kernel", ["aten", "flash-attn"])
 @pytest.mark.parametrize("case,kv_heads,head_dim,softcap", [
     ("packed-per-row", 2, 8, None), ("left-padded", 4, 12, None), ("window", 2, 8, None), ("packed", 2, 8, 2.0),
@@ -278,8 +164,8 @@ def test_varlen_glue_matches_the_exact_kernel_on_the_dense_tile(case, kv_heads, 
     k, v = (torch.randn(batch, kv_heads, n, head_dim, generator=g).to(dtype) for _ in range(2))
     exact = TorchKernel(softcap)
     tol = tolerances(dtype)
-    if dtype == torch.bfloat16:  # bf16 gradients per query head; GQA sums two of them
-        tol = {"out": tol["out"], "lse_grads": 2 * tol["lse_grads"]}
+    if kv_heads < heads:  # gradients per query head rounded to the dtype; GQA sums two of them
+        tol = {**tol, "lse_grads": 2 * tol["lse_grads"]}
     pairs = _segment_tiles(case, n)
     assert pairs
     for lean, dense in pairs:
@@ -289,7 +175,7 @@ def test_varlen_glue_matches_the_exact_kernel_on_the_dense_tile(case, kv_heads, 
         assert out.dtype == lse.dtype == acc_dtype(dtype) and out.shape == ref_out.shape
         assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse)), "rows outside every segment: LSE -inf"
         finite = torch.isfinite(ref_lse)
-        assert_close(lse[finite], ref_lse[finite], 64 * torch.finfo(torch.float32).eps, "lse")
+        assert_close(lse[finite], ref_lse[finite], tol["lse"], "lse")
         assert_close(out, ref_out, tol["out"], "out")
         for got, ref, what in zip(grads, ref_grads, ("dq", "dk", "dv")):
             assert_close(got, ref, tol["lse_grads"], what)
@@ -297,10 +183,10 @@ def test_varlen_glue_matches_the_exact_kernel_on_the_dense_tile(case, kv_heads, 
 
 def test_kernels_ask_for_segments_only_where_their_varlen_path_runs():
     bf16, fp32 = torch.zeros(1, 1, 1, 8, dtype=torch.bfloat16), torch.zeros(1, 1, 1, 8)
-    assert CudaSdpaKernel.takes_segments(bf16) and not CudaSdpaKernel.takes_segments(fp32)
-    assert not CudaSdpaKernel.takes_segments(torch.zeros(1, 1, 1, 320, dtype=torch.bfloat16))
-    assert FlashAttnKernel(flash_fwd, flash_bwd, flash_attn_varlen_fwd, flash_attn_varlen_bwd).takes_segments(bf16)
-    assert not FlashAttnKernel(flash_fwd, flash_bwd).takes_segments(bf16)  # no varlen pair given
+    assert CudaSdpaKernel().takes_segments(bf16) and not CudaSdpaKernel().takes_segments(fp32)
+    assert not CudaSdpaKernel().takes_segments(torch.zeros(1, 1, 1, 320, dtype=torch.bfloat16))
+    assert FlashAttnKernel(*FLASH_ATTN).takes_segments(bf16)
+    assert not FlashAttnKernel(*FLASH_ATTN[:2]).takes_segments(bf16)  # no varlen pair given
 
 
 def test_the_real_aten_ops_accept_the_varlen_calls_under_fake_tensors():
