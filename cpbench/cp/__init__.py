@@ -1,7 +1,7 @@
 """Context parallelism for Hugging Face transformers models (docs/DESIGN.md: the modules of cp/ and every touch point
 with transformers)."""
 
-from . import hf_compat
+from . import apply, hf_compat
 from .apply import parallelize, use_loss
 from .config import DistributedConfig
 from .layout import SequenceLayout, gather_sequence
@@ -22,7 +22,7 @@ register_attention_style(
 register_attention_style(
     "cp_usp", usp_attention, layout="zigzag", implementations=RING_IMPLEMENTATIONS, check=check_usp, replace=True
 )
-hf_compat.install()
+hf_compat.install(apply)
 
 __all__ = [
     "DEFAULT_BASE_MODEL_CP_PLAN",

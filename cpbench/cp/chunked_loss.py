@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-IGNORE_INDEX = -100
+from .loss import IGNORE_INDEX
+
 CHUNK_BYTES = 1 << 28  # fp32 logits of one chunk: 256 MiB (441 tokens of a 152k vocabulary)
 LOSSES = ("full", "chunked", "liger")  # "liger": Liger-Kernel's fused kernels (liger_loss.py), an optional extra
 

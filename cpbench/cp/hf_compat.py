@@ -3,7 +3,7 @@
 Tested against transformers 5.23 (pinned in pyproject.toml). What cpbench relies on:
 
 1. `DistributedMixin.prepare_distribute_model` / `maybe_distribute_model` (classmethods that
-   `from_pretrained(distributed_config=...)` calls before and after building the model). `install()` wraps
+   `from_pretrained(distributed_config=...)` calls before and after building the model). `install(apply)` wraps
    them: a `cpbench.DistributedConfig` with `cp_size > 1` gets cpbench's mesh and CP; anything else goes to
    transformers unchanged.
 2. The attention interface `ALL_ATTENTION_FUNCTIONS`: attention modules call
@@ -196,12 +196,13 @@ def known_values_are_not_tracing():
 _ORIGINAL = {}
 
 
-def install() -> None:
-    """Registers the CP attention function and wraps transformers' distribution hooks (idempotent)."""
+def install(apply) -> None:
+    """Registers the CP attention function and wraps transformers' distribution hooks (idempotent). `apply`: what
+    the wrapped hooks call (cpbench.cp.apply: wants_cp, prepare, shards_with_cpbench, resolve_for,
+    apply_context_parallel), passed in because apply imports this module."""
     ALL_ATTENTION_FUNCTIONS.register(CP_ATTENTION_KEY, _cp_attention)
     if _ORIGINAL:
         return
-    from . import apply  # noqa: F401  (apply imports this module)
 
     _ORIGINAL["prepare"] = DistributedMixin.prepare_distribute_model.__func__
     _ORIGINAL["maybe"] = DistributedMixin.maybe_distribute_model.__func__

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .chunked_loss import IGNORE_INDEX
+from .loss import IGNORE_INDEX
 
 INSTALL_HINT = ("loss='liger' needs Liger-Kernel (Triton kernels, CUDA): pip install 'cpbench[liger]'. "
                 "loss='chunked' computes the same loss in pure torch on any device.")

@@ -2,13 +2,12 @@
 
 Each error names the field, the value and the fix, and every error of a suite is reported at once
 (suite_errors.py); the grid's checks (lengths, cp sizes, backends, styles) are in grid_checks.py.
+Each check takes the `spec.Suite` being validated (spec imports this module, so the type is not imported here).
 """
 
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
-
 from cpbench.report.units import parse_bytes
 
 from . import grid_checks
@@ -16,8 +15,6 @@ from .grid_checks import BACKENDS, CUDA_ONLY_BACKENDS, DOCUMENTED_STYLES  # noqa
 from .presets import check_overrides, get_preset
 from .suite_errors import Collector, SuiteErrors, each, err  # noqa: F401 - spec and tests import them from here
 
-if TYPE_CHECKING:
-    from .spec import Suite
 
 # The grid's allowed values live with the grid's checks (grid_checks.py); the rest live here, beside theirs.
 DTYPES = ("float32", "bfloat16", "float16")
@@ -31,7 +28,7 @@ FAULTS = ("crash", "oom", "hang", "reference_crash")  # injected by cpbench's ow
 NO_STYLE = "none"
 
 
-def validate(suite: Suite, *, allow_faults: bool = False, source: str = "suite") -> None:
+def validate(suite, *, allow_faults: bool = False, source: str = "suite") -> None:
     """Raises SuiteErrors listing every error found. Every field is checked on its own, so an error in one never
     hides one in another; only a wrong type stops the rest (the checks would crash or mislead on it), and the
     checks that read the model's config run only when the model and its overrides are sound."""
@@ -58,7 +55,7 @@ def validate(suite: Suite, *, allow_faults: bool = False, source: str = "suite")
     found.raise_any(source)
 
 
-def _model_config(found: Collector, suite: Suite):
+def _model_config(found: Collector, suite):
     """The model's config, or None (its error recorded) when the preset or its overrides are wrong."""
     preset = found.run(get_preset, suite.model)
     if preset is None or not found.passes(check_overrides, preset, suite.model_overrides):
@@ -66,7 +63,7 @@ def _model_config(found: Collector, suite: Suite):
     return found.run(preset.config, suite.model_overrides)
 
 
-def _check_implementations(suite: Suite) -> None:
+def _check_implementations(suite) -> None:
     """Peers run the attention op alone; the model-level settings mean nothing to it."""
     found = Collector()
     found.run(each, _implementation, suite.implementations, suite.level)
@@ -95,18 +92,18 @@ def _implementation(name: str, level: str) -> None:
                   "+ backward): set level = \"attention\", or keep implementations = [\"cpbench\"].")
 
 
-def _check_mixed_precision(suite: Suite) -> None:
+def _check_mixed_precision(suite) -> None:
     if suite.mixed_precision and suite.dtype != "bfloat16":
         raise err("mixed_precision", True, f"FSDP2's mixed precision computes in bfloat16 over fp32 master weights, "
                   f"but dtype = {suite.dtype!r}: set dtype = \"bfloat16\", or mixed_precision = false.")
 
 
-def _check_name(suite: Suite) -> None:
+def _check_name(suite) -> None:
     if not re.fullmatch(r"[A-Za-z0-9._-]+", suite.name):
         raise err("name", suite.name, "use letters, digits, '.', '_' or '-' (it names a results folder).")
 
 
-def _check_counts(suite: Suite) -> None:
+def _check_counts(suite) -> None:
     found = Collector()
     for name in ("batch_size", "measured_steps", "fsdp_size", "dp_replicate_size", "seed"):
         minimum = 0 if name == "seed" else 1
@@ -122,7 +119,7 @@ def _check_counts(suite: Suite) -> None:
     found.raise_any()
 
 
-def _check_budget(suite: Suite) -> None:
+def _check_budget(suite) -> None:
     if suite.memory_budget is not None:
         parse_bytes(suite.memory_budget, field_name="memory_budget")
 
@@ -162,13 +159,13 @@ _LISTS = {"seq_lens": _is_int, "cp_sizes": _is_int, "attn_implementations": lamb
           "cp_styles": lambda v: isinstance(v, str), "implementations": lambda v: isinstance(v, str)}
 
 
-def _check_scalar(suite: Suite, name: str) -> None:
+def _check_scalar(suite, name: str) -> None:
     ok, what = _SCALARS[name]
     if not ok(getattr(suite, name)):
         raise err(name, getattr(suite, name), f"must be {what}.")
 
 
-def _check_list(suite: Suite, name: str) -> None:
+def _check_list(suite, name: str) -> None:
     ok, values = _LISTS[name], getattr(suite, name)
     if not isinstance(values, (list, tuple)) or not values or not all(ok(v) for v in values):
         kind = "integers" if ok is _is_int else "strings"
@@ -180,7 +177,7 @@ def _check_choice(name: str, value, choices) -> None:
         raise err(name, value, f"use one of {list(choices)}.")
 
 
-def _check_faults(suite: Suite, allow_faults: bool) -> None:
+def _check_faults(suite, allow_faults: bool) -> None:
     if not suite.faults:
         return
     if not allow_faults:

@@ -4,16 +4,13 @@ and the model's config allow.
 Every value of every list is checked on its own, and every error is reported: an unknown backend does not hide a
 bad length or an unknown style. Checks that need the model's config (lengths against max_position_embeddings,
 head counts against cp sizes) run whenever the model and its overrides are sound, whatever else is wrong.
+Each check takes the `spec.Suite` being validated (spec imports this module, so the type is not imported here).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from .suite_errors import Collector, each, err
 
-if TYPE_CHECKING:
-    from .spec import Suite
 
 BACKENDS = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3")
 CUDA_ONLY_BACKENDS = ("flash_attention_2", "flash_attention_3")
@@ -22,7 +19,7 @@ CUDA_ONLY_BACKENDS = ("flash_attention_2", "flash_attention_3")
 DOCUMENTED_STYLES = ("cp_ulysses", "cp_ring", "cp_ring_zigzag", "cp_usp")
 
 
-def check_lengths(suite: Suite) -> None:
+def check_lengths(suite) -> None:
     each(_length, suite.seq_lens)
 
 
@@ -31,7 +28,7 @@ def _length(s: int) -> None:
         raise err("seq_lens", s, "every length must be an integer >= 2 (tokens).")
 
 
-def check_lengths_fit(suite: Suite, config) -> None:
+def check_lengths_fit(suite, config) -> None:
     each(_fits, [s for s in suite.seq_lens if s >= 2], config.max_position_embeddings)
 
 
@@ -41,11 +38,11 @@ def _fits(s: int, max_positions: int) -> None:
                   "drop it or raise it with model_overrides = {max_position_embeddings = ...}.")
 
 
-def check_backends(suite: Suite) -> None:
+def check_backends(suite) -> None:
     each(_backend, suite.attn_implementations, suite)
 
 
-def _backend(b: str, suite: Suite) -> None:
+def _backend(b: str, suite) -> None:
     if b not in BACKENDS:
         raise err("attn_implementations", b, f"use one of {list(BACKENDS)}.")
     if b in CUDA_ONLY_BACKENDS and suite.device != "cuda":
@@ -62,7 +59,7 @@ def _registered() -> dict:
     return {n: STYLES.get(n) for n in STYLES.names() if isinstance(STYLES.get(n), AttentionStyle)}
 
 
-def check_style_names(suite: Suite) -> None:
+def check_style_names(suite) -> None:
     known = sorted(set(_registered()) | set(DOCUMENTED_STYLES))
     each(_style, suite.cp_styles, known)
 
@@ -72,11 +69,11 @@ def _style(style: str, known: list[str]) -> None:
         raise err("cp_styles", style, f"is not a CP attention style; use one of {known}.")
 
 
-def check_cp_sizes(suite: Suite) -> None:
+def check_cp_sizes(suite) -> None:
     each(_cp_size, suite.cp_sizes, suite)
 
 
-def _cp_size(cp: int, suite: Suite) -> None:
+def _cp_size(cp: int, suite) -> None:
     if cp < 1:
         raise err("cp_sizes", cp, "every cp size must be an integer >= 1.")
     degree = suite.cp_ulysses_degree
@@ -86,7 +83,7 @@ def _cp_size(cp: int, suite: Suite) -> None:
                   "cp_usp in its own suite.")
 
 
-def check_heads(suite: Suite, config) -> None:
+def check_heads(suite, config) -> None:
     """Head counts the Ulysses styles shard over their groups."""
     heads, degree = config.num_attention_heads, suite.cp_ulysses_degree
     found = Collector()
@@ -105,7 +102,7 @@ def _ulysses_heads(cp: int, model: str, heads: int) -> None:
                   "(the ring styles serve any head count).")
 
 
-def check_style_backends(suite: Suite) -> None:
+def check_style_backends(suite) -> None:
     """Every (style, backend) pair of the grid must be one the style serves (its registered `implementations`).
     Styles run only at cp > 1; unknown styles and backends are reported by their own checks."""
     if not any(cp > 1 for cp in suite.cp_sizes):
@@ -122,7 +119,7 @@ def check_style_backends(suite: Suite) -> None:
     found.raise_any()
 
 
-def check_world(suite: Suite) -> None:
+def check_world(suite) -> None:
     if suite.world_size is None:
         return
     if suite.world_size < 1:
@@ -132,7 +129,7 @@ def check_world(suite: Suite) -> None:
     each(_fits_world, [cp for cp in suite.cp_sizes if cp >= 1], suite)
 
 
-def _fits_world(cp: int, suite: Suite) -> None:
+def _fits_world(cp: int, suite) -> None:
     group = cp * suite.dp_replicate_size
     if suite.world_size < group or suite.world_size % group:
         raise err("cp_sizes", cp, f"cp_size x dp_replicate_size = {group} does not divide world_size = "

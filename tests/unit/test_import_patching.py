@@ -59,10 +59,10 @@ def test_no_wrapper_is_left_on_a_model_loaded_without_cp(tmp_path):
 def test_installing_twice_wraps_once():
     from transformers.distributed.mixin import DistributedMixin
 
-    from cpbench.cp import hf_compat
+    from cpbench.cp import apply, hf_compat
 
     before = (DistributedMixin.prepare_distribute_model.__func__, DistributedMixin.maybe_distribute_model.__func__)
-    hf_compat.install()
-    hf_compat.install()
+    hf_compat.install(apply)
+    hf_compat.install(apply)
     after = (DistributedMixin.prepare_distribute_model.__func__, DistributedMixin.maybe_distribute_model.__func__)
     assert before == after
