@@ -26,7 +26,8 @@ import torch
 from .hf_compat import model_attention_implementation
 from .layout import SequenceLayout
 from .ring_comm import DKV_TAG, KV_TAG, P2PCounter, RingComm
-from .ring_kernels import RING_IMPLEMENTATIONS, acc_dtype, safe_lse, select_kernel
+from .ring_kernels import RING_IMPLEMENTATIONS, acc_dtype, safe_lse
+from .ring_select import select_kernel
 from .ring_masks import SKIP, RingMasks, build_ring_masks
 
 __all__ = ["RING_IMPLEMENTATIONS", "P2PCounter", "ring_attention", "ring_attention_with_lse", "ring_p2p_count"]

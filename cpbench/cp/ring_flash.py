@@ -19,6 +19,7 @@ import inspect
 import torch
 import torch.nn.functional as F
 
+from .ring_cuda import FLASH_MIN_CAPABILITY, CudaSdpaKernel, cuda_capability
 from .ring_kernels import TorchKernel, acc_dtype
 from .ring_masks import CAUSAL, DENSE, SEGMENTS, TileMask
 from .ring_segments import VarlenOps, varlen_backward, varlen_forward
@@ -56,8 +57,6 @@ def flash_kernel_or_none(query: torch.Tensor, softcap: float | None, device_type
     """The flash-attn kernel when it can run here (CUDA, fp16/bf16, flash-attn installed), else None."""
     if (device_type or query.device.type) != "cuda" or query.dtype not in FLASH_DTYPES:
         return None
-    from .ring_cuda import FLASH_MIN_CAPABILITY, CudaSdpaKernel, cuda_capability
-
     capability = cuda_capability(query)
     if capability < FLASH_MIN_CAPABILITY:  # flash-attn 2 runs on Ampere and newer only
         return None

@@ -155,32 +155,3 @@ class CpuSdpaKernel:
             dk[:, hkv] += g_dk
             dv[:, hkv] += g_dv
             del g_dq, g_dk, g_dv
-
-
-CPU_SDPA_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-
-
-def select_kernel(
-    attn_implementation: str, query: torch.Tensor, softcap: float | None = None, device_type: str | None = None
-):
-    """The block kernel for a model's attention implementation, on `device_type` (default: the query's device)
-    and the query's dtype."""
-    device_type = device_type or query.device.type
-    if attn_implementation not in RING_IMPLEMENTATIONS:
-        raise ValueError(
-            f"Ring attention cannot serve attn_implementation={attn_implementation!r}; it serves "
-            f"{list(RING_IMPLEMENTATIONS)}. Load the model with one of those, or use cp_ulysses (any backend)."
-        )
-    if attn_implementation == "flash_attention_2":
-        from .ring_flash import flash_kernel_or_none
-
-        kernel = flash_kernel_or_none(query, softcap, device_type)
-        if kernel is not None:
-            return kernel
-    if softcap is None and device_type == "cpu" and query.dtype in CPU_SDPA_DTYPES:
-        return CpuSdpaKernel()
-    if softcap is None and device_type == "cuda":
-        from .ring_cuda import CudaSdpaKernel, cuda_capability
-
-        return CudaSdpaKernel(capability=cuda_capability(query))
-    return TorchKernel(softcap)

@@ -140,7 +140,7 @@ def run_case(kind, source, kv_heads, layout_kind, dtype_name, group):
 
     from cpbench.cp.layout import SequenceLayout
     from cpbench.cp.ring import P2PCounter, ring_attention_with_lse, ring_p2p_count
-    from cpbench.cp.ring_kernels import select_kernel
+    from cpbench.cp.ring_select import select_kernel
 
     dtype = getattr(torch, dtype_name)
     eager = source == "dense_additive"

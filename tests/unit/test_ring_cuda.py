@@ -18,7 +18,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from cpbench.cp.ring_cuda import CudaSdpaKernel
-from cpbench.cp.ring_kernels import CpuSdpaKernel, TorchKernel, select_kernel
+from cpbench.cp.ring_kernels import CpuSdpaKernel, TorchKernel
+from cpbench.cp.ring_select import select_kernel
 from cpbench.cp.ring_masks import CAUSAL, DENSE, FULL, TileMask
 from tests.emulation.aten_sdpa import Counted
 from tests.unit.test_ring_flash import SCALE, B, D, H, Q, check_against_exact, tiles, tolerances

@@ -24,7 +24,8 @@ import torch
 from cpbench.cp import ring_flash
 from cpbench.cp.ring_cuda import CudaSdpaKernel
 from cpbench.cp.ring_flash import FlashAttnKernel, flash_kernel_or_none
-from cpbench.cp.ring_kernels import CpuSdpaKernel, TorchKernel, acc_dtype, select_kernel
+from cpbench.cp.ring_kernels import CpuSdpaKernel, TorchKernel, acc_dtype
+from cpbench.cp.ring_select import select_kernel
 from cpbench.cp.ring_masks import CAUSAL, DENSE, FULL, TileMask
 from tests.emulation.flash_attn import FUNCTIONS
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cpbench.cp.ring_kernels import CpuSdpaKernel, TorchKernel, select_kernel
+from cpbench.cp.ring_kernels import CpuSdpaKernel, TorchKernel
+from cpbench.cp.ring_select import select_kernel
 from cpbench.cp.ring_masks import CAUSAL, DENSE, FULL, TileMask
 
 B, H, HKV, Q, D = 2, 4, 2, 6, 8
