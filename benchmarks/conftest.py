@@ -2,7 +2,7 @@
 
 Every point of the suite is collected. Those this runner cannot time are skipped with the reason, never
 dropped: CUDA points (it drives CPU gloo ranks), points of more than 2 ranks (rank 0 in-process plus one
-spawned peer), and whatever the sweep itself would skip (`cpbench.harness.skips.SkipRules`).
+spawned peer), and whatever the sweep itself would skip (`cpbench.harness.run.skips.SkipRules`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ MAX_WORLD = 2
 
 
 def why_not_benchmarked(point) -> str | None:
-    from cpbench.harness.skips import SkipRules
+    from cpbench.harness.run.skips import SkipRules
 
     if point.device != "cpu":
         return f"device={point.device!r}: these benchmarks run CPU points only; use `cpbench sweep` on a GPU machine"
@@ -30,7 +30,7 @@ def pytest_addoption(parser):
 
 def pytest_generate_tests(metafunc):
     if "cpbench_point" in metafunc.fixturenames:
-        from cpbench.harness.suites import resolve_suite
+        from cpbench.harness.suite.suites import resolve_suite
 
         suite = resolve_suite(metafunc.config.getoption("--cpbench-suite"))
         params = []

@@ -19,8 +19,10 @@ import socket
 import torch
 import torch.distributed as dist
 
-from cpbench.harness import step, worker
-from cpbench.harness.spec import Point
+from cpbench.harness.measure import step
+
+from cpbench.harness.run import worker
+from cpbench.harness.suite.spec import Point
 
 EXTRA = ("peak_bytes", "activations_bytes", "params_bytes", "grads_bytes", "optimizer_bytes", "rss_peak_bytes")
 

@@ -1,16 +1,16 @@
 """Context parallelism for Hugging Face transformers models (docs/DESIGN.md: the modules of cp/ and every touch point
 with transformers)."""
 
-from . import apply, hf_compat
-from .apply import parallelize, use_loss
-from .config import DistributedConfig
-from .layout import SequenceLayout, gather_sequence
-from .loss import cp_causal_lm_loss
-from .plan import DEFAULT_BASE_MODEL_CP_PLAN, FAMILY_CP_PLANS, ResolvedPlan, resolve_plan
-from .ring import RING_IMPLEMENTATIONS, ring_attention
-from .styles import STYLES, AttentionStyle, SplitStyle, register_attention_style
-from .ulysses import check_ulysses, ulysses_attention
-from .usp import check_usp, usp_attention
+from cpbench.cp import apply, hf_compat
+from cpbench.cp.apply import parallelize, use_loss
+from cpbench.cp.config import DistributedConfig
+from cpbench.cp.layout import SequenceLayout, gather_sequence
+from cpbench.cp.loss.causal_lm import cp_causal_lm_loss
+from cpbench.cp.plan import DEFAULT_BASE_MODEL_CP_PLAN, FAMILY_CP_PLANS, ResolvedPlan, resolve_plan
+from cpbench.cp.ring.attention import RING_IMPLEMENTATIONS, ring_attention
+from cpbench.cp.styles import STYLES, AttentionStyle, SplitStyle, register_attention_style
+from cpbench.cp.ulysses import check_ulysses, ulysses_attention
+from cpbench.cp.usp import check_usp, usp_attention
 
 register_attention_style("cp_ulysses", ulysses_attention, check=check_ulysses, replace=True)
 register_attention_style(

@@ -13,15 +13,15 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from . import hf_compat
-from .config import DistributedConfig
-from .chunked_loss import check_loss
-from .forward import ForwardState, refuse_generate, wrap_forward
-from .layout import SequenceLayout
-from .mesh import CPDeviceMesh, build_mesh
-from .plan import ResolvedPlan, attention_style, default_cp_plan, merge_plan, refusal_reason, resolve_plan
-from .split import RotaryCuts, make_split_hook
-from .usp import usp_attention
+from cpbench.cp import hf_compat
+from cpbench.cp.config import DistributedConfig
+from cpbench.cp.loss.chunked import check_loss
+from cpbench.cp.forward import ForwardState, refuse_generate, wrap_forward
+from cpbench.cp.layout import SequenceLayout
+from cpbench.cp.mesh import CPDeviceMesh, build_mesh
+from cpbench.cp.plan import ResolvedPlan, attention_style, default_cp_plan, merge_plan, refusal_reason, resolve_plan
+from cpbench.cp.split import RotaryCuts, make_split_hook
+from cpbench.cp.usp import usp_attention
 
 
 @dataclass(frozen=True)

@@ -12,10 +12,10 @@ import contextlib
 import functools
 import inspect
 
-from .batch_mask import BatchFacts
-from .chunked_loss import HeadInput
-from .layout import SequenceLayout
-from .loss import cp_causal_lm_loss, shift_and_cut_labels, whole_sequence_mean
+from cpbench.cp.batch_mask import BatchFacts
+from cpbench.cp.loss.chunked import HeadInput
+from cpbench.cp.layout import SequenceLayout
+from cpbench.cp.loss.causal_lm import cp_causal_lm_loss, shift_and_cut_labels, whole_sequence_mean
 
 
 class ForwardState:
@@ -25,7 +25,7 @@ class ForwardState:
     def __init__(self, make_layout):
         self.make_layout = make_layout
         self.layout: SequenceLayout | None = None
-        self.loss = "full"  # or "chunked" (chunked_loss.py), "liger" (liger_loss.py); set by `cpbench.use_loss`
+        self.loss = "full"  # or "chunked" (cp/loss/chunked.py), "liger" (cp/loss/liger.py); set by `cpbench.use_loss`
 
     @contextlib.contextmanager
     def active(self, layout: SequenceLayout):

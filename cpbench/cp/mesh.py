@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from .config import DistributedConfig
+from cpbench.cp.config import DistributedConfig
 
 MESH_DIMS = ("pp", "dp_replicate", "fsdp", "cp", "tp")
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from .styles import STYLES, AttentionStyle, SplitStyle, StyleRegistry
+from cpbench.cp.styles import STYLES, AttentionStyle, SplitStyle, StyleRegistry
 
 DEFAULT_BASE_MODEL_CP_PLAN = {"layers.*": "cp_split_sequence", "layers.*.self_attn": "cp_ulysses"}
 

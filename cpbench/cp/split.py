@@ -13,8 +13,8 @@ import weakref
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .hf_compat import HIDDEN_STATES, LAYOUT_KWARG, POSITION_EMBEDDINGS, POSITION_IDS
-from .layout import SequenceLayout
+from cpbench.cp.hf_compat import HIDDEN_STATES, LAYOUT_KWARG, POSITION_EMBEDDINGS, POSITION_IDS
+from cpbench.cp.layout import SequenceLayout
 
 
 def full_length(args: tuple, kwargs: dict, cuts_input: bool) -> int:

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .layout import LAYOUT_KINDS
+from cpbench.cp.layout import LAYOUT_KINDS
 
 AttentionFn = Callable[..., tuple]
 

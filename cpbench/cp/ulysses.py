@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from .comm import all_to_all
-from .hf_compat import ModuleView, model_config
-from .layout import SequenceLayout
+from cpbench.cp.comm import all_to_all
+from cpbench.cp.hf_compat import ModuleView, model_config
+from cpbench.cp.layout import SequenceLayout
 
 
 def _seq_to_heads(tensors: list[torch.Tensor], group, layout: SequenceLayout) -> list[torch.Tensor]:

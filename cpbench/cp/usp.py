@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import torch
 
-from .layout import SequenceLayout
-from .ring import ring_attention
-from .ulysses import _heads_to_seq, _kv_for_heads, _seq_to_heads
+from cpbench.cp.layout import SequenceLayout
+from cpbench.cp.ring.attention import ring_attention
+from cpbench.cp.ulysses import _heads_to_seq, _kv_for_heads, _seq_to_heads
 
 
 def usp_attention(module, query, key, value, attention_mask, *, inner, group, layout, **kwargs):

@@ -1,4 +1,4 @@
-"""`cpbench sweep` and `cpbench run`: argument parsing only; the work is in sweep.py and worker.py."""
+"""`cpbench sweep` and `cpbench run`: argument parsing only; the work is in run/sweep.py and run/worker.py."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from .cluster import LAUNCHERS
+from cpbench.harness.run.cluster import LAUNCHERS
 
 
 def register(subparsers) -> None:
@@ -90,7 +90,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def _options(args, only=()):
-    from .sweep import SweepOptions
+    from cpbench.harness.run.sweep import SweepOptions
 
     return SweepOptions(suite=args.suite, out=args.out, run=args.run, resume=getattr(args, "resume", False),
                         memory_budget=args.memory_budget, allow_faults=args.allow_faults, only=tuple(only),
@@ -99,7 +99,7 @@ def _options(args, only=()):
 
 def _cluster(args):
     """The cluster options of `sweep --launcher slurm|submitit-local`, checked before anything runs."""
-    from .cluster import ClusterOptions
+    from cpbench.harness.run.cluster import ClusterOptions
 
     launcher = getattr(args, "launcher", "local")
     if launcher == "local":
@@ -118,8 +118,8 @@ def _cluster(args):
 def sweep_command(args) -> int:
     from cpbench.report import store
 
-    from .summary import summary_table
-    from .sweep import failures, run_sweep
+    from cpbench.harness.run.summary import summary_table
+    from cpbench.harness.run.sweep import failures, run_sweep
 
     t0 = time.perf_counter()
     try:
@@ -141,11 +141,10 @@ def _exit_code(failed: list[str], command: str) -> int:
 
 
 def run_command(args) -> int:
-    from . import worker
-
+    from cpbench.harness.run import worker
     if worker.launched_by_torchrun() is None:
         return sweep_command_for(args)
-    from .external import run_external
+    from cpbench.harness.run.external import run_external
 
     return run_external(args)
 
@@ -153,8 +152,8 @@ def run_command(args) -> int:
 def sweep_command_for(args) -> int:
     from cpbench.report import store
 
-    from .summary import summary_table
-    from .sweep import failures, run_sweep
+    from cpbench.harness.run.summary import summary_table
+    from cpbench.harness.run.sweep import failures, run_sweep
 
     try:
         run_dir = run_sweep(_options(args, only=args.points))
@@ -168,7 +167,7 @@ def sweep_command_for(args) -> int:
 
 
 def _quick_suite(args):
-    from .spec import Suite, load_suite
+    from cpbench.harness.suite.spec import Suite, load_suite
 
     if args.suite is not None:
         if args.model is not None:
@@ -226,8 +225,8 @@ def estimate_command(args) -> int:
     from cpbench.report import store
     from cpbench.report.derive import largest_fit
 
-    from .estimate import EstimateOptions, run_estimate
-    from .summary import summary_table
+    from cpbench.harness.project.estimate import EstimateOptions, run_estimate
+    from cpbench.harness.run.summary import summary_table
 
     t0 = time.perf_counter()
     try:

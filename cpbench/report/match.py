@@ -12,7 +12,7 @@ _NULL = "<null>"  # key columns may be null; nulls must still match each other
 def point_keys(frame: pd.DataFrame) -> pd.Series:
     """One string per row joining its KEY_COLUMNS values.
 
-    Not the stored `point_key` column: that is a hash the harness computes (its recipe lives in harness/spec.py,
+    Not the stored `point_key` column: that is a hash the harness computes (its recipe lives in harness/suite/spec.py,
     which report must not import), so report can neither check nor recompute it. Should the recipe change (or a
     run come from another writer), every point would silently stop matching and the gate would call them all
     missing. The KEY_COLUMNS it hashes are stored in every row, readable, so matching on them is the same

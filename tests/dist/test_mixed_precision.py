@@ -1,7 +1,7 @@
 """FSDP2 mixed precision under CP (`DistributedConfig(fsdp_mixed_precision=True)`, the suite's `mixed_precision`):
 fp32 master weights, gradients and optimizer state, bf16 compute, fp32 gradient reduction. At cp = 2 (FSDP over
 the two cp ranks, gloo) the step must equal the unsharded run of the same weights cast to bf16 (what FSDP2 casts
-them to for every forward), within bf16's parity tolerance (`cpbench.harness.parity.tolerances`)."""
+them to for every forward), within bf16's parity tolerance (`cpbench.harness.measure.parity.tolerances`)."""
 
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def results(tmp_path_factory):
 
 @pytest.mark.parametrize("style", STYLES)
 def test_mixed_precision_keeps_fp32_masters_computes_bf16_and_matches_the_bf16_run(results, style):
-    from cpbench.harness.parity import tolerances
+    from cpbench.harness.measure.parity import tolerances
 
     tol = tolerances("bfloat16", 2)
     for rank_result in results:

@@ -13,7 +13,7 @@ The matrix (`cases`): cp 2 (cp_ring, cp_ring_zigzag) with fp32 and bf16, GQA (4 
 64, 80 (a sliding window of 12) and 12 (not a multiple of 8), batches plain, packed, left- and right-padded,
 odd-length and packed differently per row (sequence 20: rows [8, 12] and [3, 14, 3], where the sliding-window model
 meets the off-diagonal varlen window that flash cannot say); cp 4 (the same styles and cp_usp, 2 x 2) on the bf16
-cases a wider ring changes. bf16 is held to its dtype-derived tolerance (`cpbench.harness.parity.tolerances`), fp32
+cases a wider ring changes. bf16 is held to its dtype-derived tolerance (`cpbench.harness.measure.parity.tolerances`), fp32
 to the fp32 one. Each of the four defects of issue 16 fails this test without its fix (a crash in the emulated
 kernel's checks, or NaN).
 """
@@ -106,7 +106,8 @@ class _CountedFunctions:
 
 def stand_in_cuda_kernels() -> dict:
     """Make the ring's CUDA kernel choice run through the emulations; returns the call counters."""
-    from cpbench.cp import ring_cuda, ring_flash
+    from cpbench.cp.ring import cuda as ring_cuda
+    from cpbench.cp.ring import flash as ring_flash
     from tests.emulation import aten_sdpa, flash_attn
 
     aten = aten_sdpa.Counted()
@@ -120,8 +121,7 @@ def cuda_models_worker(paths: dict, cp: int) -> dict:
     from transformers import AutoModelForCausalLM
 
     import cpbench
-    from cpbench.cp import ring
-
+    from cpbench.cp.ring import attention as ring
     counters = stand_in_cuda_kernels()
     sdpa_choice = ring.model_attention_implementation
     refs, models, results = {}, {}, {}
@@ -160,7 +160,7 @@ def results(paths):
 
 @pytest.mark.parametrize("cp,name,dtype,impl,style,kind", [(cp, *case) for cp in STYLES for case in cases(cp)])
 def test_cuda_kernel_choice_matches_unsharded(results, cp, name, dtype, impl, style, kind):
-    from cpbench.harness.parity import tolerances
+    from cpbench.harness.measure.parity import tolerances
 
     tol = tolerances(dtype, cp)
     for rank, per_rank in enumerate(results[cp]):

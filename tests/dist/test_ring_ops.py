@@ -106,7 +106,7 @@ def _reference(kind, kv_heads, dtype, eager: bool):
 
 
 def _ring_masks(source, seq, pos, pad, window, allowed, layout, dtype):
-    from cpbench.cp.ring_masks import build_ring_masks
+    from cpbench.cp.ring.masks import build_ring_masks
 
     common = dict(seq_len=seq, padded_len=layout.padded_len)
     if source == "positions":
@@ -130,7 +130,7 @@ def _errors(got, ref, layout, eager: bool) -> dict:
     finite = torch.isfinite(r_lse)
     errs["lse"] = (got["lse"].double() - r_lse)[finite].abs().max().item()
     # Rows that see no key (padding, left-padded queries) must come back as LSE -inf (and output 0, checked
-    # above) -- except eager's, which see every key uniformly (see ring_masks.py).
+    # above) -- except eager's, which see every key uniformly (see cp/ring/masks.py).
     errs["empty_rows_ok"] = eager or bool(torch.isneginf(got["lse"][~finite]).all())
     return errs
 
@@ -139,8 +139,8 @@ def run_case(kind, source, kv_heads, layout_kind, dtype_name, group):
     import torch.distributed as dist
 
     from cpbench.cp.layout import SequenceLayout
-    from cpbench.cp.ring import P2PCounter, ring_attention_with_lse, ring_p2p_count
-    from cpbench.cp.ring_select import select_kernel
+    from cpbench.cp.ring.attention import P2PCounter, ring_attention_with_lse, ring_p2p_count
+    from cpbench.cp.ring.select import select_kernel
 
     dtype = getattr(torch, dtype_name)
     eager = source == "dense_additive"

@@ -42,7 +42,7 @@ PROJECTED = ('model = "tiny-qwen3"\nseq_lens = [128]\ncp_sizes = [4]\ncp_styles 
 
 
 def _projected_point():
-    from cpbench.harness.spec import load_suite
+    from cpbench.harness.suite.spec import load_suite
 
     point, = load_suite("u.toml", text=PROJECTED).points()
     return point
@@ -52,7 +52,7 @@ def usp_worker(paths: dict) -> dict:
     from transformers import AutoModelForCausalLM
 
     import cpbench
-    from cpbench.harness import worker
+    from cpbench.harness.run import worker
     from tests.dist.models import reference
     from tests.e2e.estimate_workers import _columns
 
@@ -95,7 +95,7 @@ def test_usp_matches_unsharded(results, family, degree, kind):
 
 def test_the_projection_of_a_usp_point_equals_its_measurement(results):
     """cp_usp's two groups (Ulysses pairs, the ring across them) under the fake process group as on gloo."""
-    from cpbench.harness import projection
+    from cpbench.harness.project import projection
     from tests.e2e.estimate_workers import _columns
 
     point = _projected_point()

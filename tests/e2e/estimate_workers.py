@@ -7,8 +7,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from cpbench.harness import projection, worker
-from cpbench.harness.spec import Point
+from cpbench.harness.project import projection
+
+from cpbench.harness.run import worker
+from cpbench.harness.suite.spec import Point
 
 KEEP = ("peak_bytes", "params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "temporaries_bytes")
 

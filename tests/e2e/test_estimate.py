@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from cpbench.harness.spec import load_suite
+from cpbench.harness.suite.spec import load_suite
 from tests.e2e.estimate_workers import measure_then_project
 
 # The measured side counts the smallest peak of 3 identical steps, as sweeps do (probes.py: gloo's worker thread
@@ -103,8 +103,7 @@ def widths_matrix():
 
 def largest_group_bytes(point) -> int:
     """The largest FSDP group's unsharded bytes (a decoder layer, or the head or embedding with the final norm)."""
-    from cpbench.harness import step
-
+    from cpbench.harness.measure import step
     model = step.build_model(point, "meta")
     groups = [sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in model.model.layers]
     tail = [model.get_output_embeddings().weight, model.get_input_embeddings().weight, model.model.norm.weight]

@@ -4,7 +4,7 @@ One module-scoped sweep covers the normal points (cp 1 and 2, two lengths, packe
 unsharded run) and the failure paths: a point whose last rank crashes mid-forward is `error` with that rank's message (ended by the failure, not
 the timeout), a point whose
 last rank hangs is `timeout`, and the points after each still run. Faults come from the suite's `[faults]` table, which
-only `--allow-faults` honours (see `cpbench.harness.spec.Suite.faults`). No test asserts a timing.
+only `--allow-faults` honours (see `cpbench.harness.suite.spec.Suite.faults`). No test asserts a timing.
 """
 
 from __future__ import annotations
@@ -198,7 +198,7 @@ def test_one_point_under_an_external_torchrun_writes_the_same_row(run):
 
 def _fake_run(monkeypatch, tmp_path: Path, statuses: list[tuple[str, str]]) -> Path:
     """`run_sweep` replaced by one that writes rows with these (status, parity_status) and returns the run."""
-    import cpbench.harness.sweep as sweep_module
+    import cpbench.harness.run.sweep as sweep_module
 
     run_dir = tmp_path / "results" / "s" / "r"
     rows = [{"point_id": f"p{i}", "status": s, "parity_status": ps} for i, (s, ps) in enumerate(statuses)]
@@ -220,7 +220,7 @@ def test_the_exit_code_says_whether_a_point_failed(monkeypatch, tmp_path, status
 
 
 def test_run_names_an_existing_run_only_with_resume(tmp_path):
-    from cpbench.harness.sweep import pick_run_dir
+    from cpbench.harness.run.sweep import pick_run_dir
 
     store.append_rows(tmp_path / "done", [{"point_id": "p", "status": "ok"}])
     with pytest.raises(ValueError, match="--resume"):
@@ -230,7 +230,7 @@ def test_run_names_an_existing_run_only_with_resume(tmp_path):
 
 
 def test_resume_takes_the_most_recently_written_run_not_the_last_name(tmp_path):
-    from cpbench.harness.sweep import pick_run_dir
+    from cpbench.harness.run.sweep import pick_run_dir
 
     for name, mtime in (("zz-old", 1_000_000), ("aa-new", 2_000_000), ("mm", 1_500_000)):
         path = store.append_rows(tmp_path / name, [{"point_id": "p", "status": "ok"}])

@@ -7,8 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from cpbench.harness.spec import load_suite
-from cpbench.harness.suites import resolve_suite
+from cpbench.harness.suite.spec import load_suite
+from cpbench.harness.suite.suites import resolve_suite
 
 ROOT = Path(__file__).parents[2]
 

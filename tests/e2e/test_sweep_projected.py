@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cpbench.harness import worker
-from cpbench.harness.spec import load_suite
+from cpbench.harness.run import worker
+from cpbench.harness.suite.spec import load_suite
 
 SUITE = """
 name = "t"

@@ -55,8 +55,8 @@ def test_the_long_context_options_pass_parity_on_cuda(tmp_path, extra):
 
 
 def test_ring_block_kernel_on_cuda_matches_plain_attention():
-    from cpbench.cp.ring_kernels import TorchKernel
-    from cpbench.cp.ring_masks import CAUSAL, TileMask
+    from cpbench.cp.ring.kernels import TorchKernel
+    from cpbench.cp.ring.masks import CAUSAL, TileMask
 
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 4, 128, 64, device="cuda", dtype=torch.float32) for _ in range(3))
@@ -70,9 +70,9 @@ def test_ring_block_kernel_on_cuda_matches_plain_attention():
 @pytest.mark.parametrize("kind", ["full", "causal"])
 def test_ring_flash_attn_kernel_matches_the_matmul_kernel(kind):
     """The real flash-attn kernels behind cp_ring (CPU CI checks the glue against an emulation only)."""
-    from cpbench.cp.ring_flash import flash_kernel_or_none
-    from cpbench.cp.ring_kernels import TorchKernel
-    from cpbench.cp.ring_masks import CAUSAL, FULL, TileMask
+    from cpbench.cp.ring.flash import flash_kernel_or_none
+    from cpbench.cp.ring.kernels import TorchKernel
+    from cpbench.cp.ring.masks import CAUSAL, FULL, TileMask
 
     torch.manual_seed(0)
     q = torch.randn(1, 8, 256, 64, device="cuda", dtype=torch.bfloat16, requires_grad=False)

@@ -15,9 +15,9 @@ Skipped without CUDA."""
 import pytest
 import torch
 
-from cpbench.cp.ring_cuda import CudaSdpaKernel
-from cpbench.cp.ring_kernels import TorchKernel, acc_dtype
-from cpbench.cp.ring_masks import CAUSAL, DENSE, build_ring_masks, TileMask
+from cpbench.cp.ring.cuda import CudaSdpaKernel
+from cpbench.cp.ring.kernels import TorchKernel, acc_dtype
+from cpbench.cp.ring.masks import CAUSAL, DENSE, build_ring_masks, TileMask
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

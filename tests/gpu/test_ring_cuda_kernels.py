@@ -5,9 +5,9 @@ the same checks tests/unit/test_ring_cuda.py runs against emulations on CPU. Ski
 import pytest
 import torch
 
-from cpbench.cp.ring_cuda import CudaSdpaKernel
-from cpbench.cp.ring_kernels import TorchKernel, acc_dtype
-from cpbench.cp.ring_masks import CAUSAL, DENSE, FULL, TileMask
+from cpbench.cp.ring.cuda import CudaSdpaKernel
+from cpbench.cp.ring.kernels import TorchKernel, acc_dtype
+from cpbench.cp.ring.masks import CAUSAL, DENSE, FULL, TileMask
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -56,7 +56,7 @@ def test_fused_ops_match_the_exact_kernel_on_cuda(name, kv_heads, dtype):
 def test_varlen_segments_match_the_exact_kernel_on_cuda(case):
     """SEGMENTS tiles through aten's flash op with cu_seqlens and window sizes, against the exact kernel on the same
     tile's dense mask (the CPU twin is tests/unit/test_ring_segments.py)."""
-    from cpbench.cp.ring_masks import SEGMENTS, build_ring_masks
+    from cpbench.cp.ring.masks import SEGMENTS, build_ring_masks
 
     s, n = 512, 256
     kwargs = {

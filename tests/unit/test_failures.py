@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from cpbench.harness.records import failure
-from cpbench.harness.worker import _error_record
+from cpbench.harness.run.records import failure
+from cpbench.harness.run.worker import _error_record
 
 
 def _record(rank: int, exc: BaseException, t: float) -> dict:

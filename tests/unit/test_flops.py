@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cpbench.harness.flops import (
+from cpbench.harness.measure.flops import (
     PEAK_FLOPS,
     BatchMaskCount,
     causal_pairs,
@@ -13,7 +13,7 @@ from cpbench.harness.flops import (
     peak_flops,
     train_step_flops,
 )
-from cpbench.harness.presets import PRESETS, get_preset
+from cpbench.harness.suite.presets import PRESETS, get_preset
 
 
 def test_causal_pairs():
@@ -145,8 +145,8 @@ def test_a_batch_of_the_wrong_shape_is_refused():
     ("padded", causal_pairs(48) + causal_pairs(64), 112),
 ])
 def test_the_harness_counts_the_batch_it_runs(kind, pairs, tokens):
-    from cpbench.harness import rows
-    from cpbench.harness.spec import load_suite
+    from cpbench.harness.run import rows
+    from cpbench.harness.suite.spec import load_suite
 
     text = (f'name = "t"\nmodel = "tiny-llama"\nseq_lens = [64]\ncp_sizes = [2]\nbatch_size = 2\n'
             f'batch_kind = "{kind}"\nworld_size = 4\nmodel_overrides = {{num_hidden_layers = 1}}\n')
@@ -164,8 +164,8 @@ def _cuda_record(rank: int) -> dict:
 
 
 def test_a_null_mfu_carries_its_reason_in_the_row():
-    from cpbench.harness import rows
-    from cpbench.harness.spec import load_suite
+    from cpbench.harness.run import rows
+    from cpbench.harness.suite.spec import load_suite
 
     text = 'name = "t"\nmodel = "tiny-llama"\nseq_lens = [64]\ncp_sizes = [1]\ndevice = "cuda"\ndtype = "bfloat16"\n'
     point = load_suite("t.toml", text=text).points()[0]

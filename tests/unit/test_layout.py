@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from cpbench.cp.layout import SequenceLayout
-from cpbench.cp.loss import shift_and_cut_labels
+from cpbench.cp.loss.causal_lm import shift_and_cut_labels
 
 
 def test_contiguous_padding_and_slices():

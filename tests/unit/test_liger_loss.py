@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cpbench.cp import liger_loss
-from cpbench.cp.chunked_loss import check_loss, chunked_cross_entropy_sum
+from cpbench.cp.loss import liger as liger_loss
+from cpbench.cp.loss.chunked import check_loss, chunked_cross_entropy_sum
 
 
 class EmulatedLigerLoss(torch.nn.Module):
@@ -68,8 +68,8 @@ def test_without_liger_the_loss_is_refused_with_the_install_command(monkeypatch)
 
 
 def test_the_sweep_skips_liger_points_it_cannot_run_and_says_why():
-    from cpbench.harness.skips import SkipRules
-    from cpbench.harness.spec import load_suite
+    from cpbench.harness.run.skips import SkipRules
+    from cpbench.harness.suite.spec import load_suite
 
     text = 'name = "t"\nmodel = "tiny-qwen3"\nseq_lens = [64]\ncp_sizes = [1]\nloss = "liger"\n'
     cpu = load_suite("t.toml", text=text).points()[0]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from cpbench.harness.max_seq import search
-from cpbench.harness.spec import load_suite
+from cpbench.harness.project.max_seq import search
+from cpbench.harness.suite.spec import load_suite
 
 TEMPLATE = load_suite("t.toml", text='model = "tiny-qwen3"\nseq_lens = [1000]\n').points()[0]
 

@@ -9,8 +9,14 @@ from dataclasses import replace
 import pytest
 import torch
 
-from cpbench.harness import parity, presets, reference, worker
-from cpbench.harness.spec import load_suite
+from cpbench.harness.measure import parity
+
+from cpbench.harness.suite import presets
+
+from cpbench.harness.measure import reference
+
+from cpbench.harness.run import worker
+from cpbench.harness.suite.spec import load_suite
 
 SUITE = """
 name = "t"

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import sys
 
-from cpbench.harness import env, probes, rows
-from cpbench.harness.spec import load_suite
+from cpbench.harness.measure import env
+
+from cpbench.harness.measure import probes
+
+from cpbench.harness.run import rows
+from cpbench.harness.suite.spec import load_suite
 
 SUITE = 'name = "t"\nmodel = "tiny-qwen3"\nseq_lens = [64]\ncp_sizes = [2]\n'
 
@@ -202,7 +206,7 @@ def test_nvml_reads_the_mig_instance_this_process_runs_on(monkeypatch):
     the instance is found among the MIG devices, and its memory (not its GPU's, nor the other instance's) is read."""
     sampler = _sampler_on(monkeypatch, _FakeNvml(), "2222")
     assert sampler.error is None and sampler._read() == 22
-    from cpbench.harness.nvml import handle_by_uuid
+    from cpbench.harness.measure.nvml import handle_by_uuid
 
     assert handle_by_uuid(_FakeNvml(), "MIG-1111") == "MIG-1111"  # as CUDA_VISIBLE_DEVICES spells it
     assert handle_by_uuid(_FakeNvml(legacy=True), "MIG-GPU-bbbb/2/0") == "MIG-GPU-bbbb/2/0"

@@ -6,7 +6,7 @@ from __future__ import annotations
 def test_the_sweep_summary_renders_numbers_through_report_units():
     import pandas as pd
 
-    from cpbench.harness.summary import summary_table
+    from cpbench.harness.run.summary import summary_table
     from cpbench.report.units import human_bytes, ms
 
     df = pd.DataFrame([

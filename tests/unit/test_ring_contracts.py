@@ -21,9 +21,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cpbench.cp.ring_cuda import CudaSdpaKernel
-from cpbench.cp.ring_flash import FlashAttnKernel
-from cpbench.cp.ring_masks import CAUSAL, DENSE, FULL, SEGMENTS, TileMask, build_ring_masks
+from cpbench.cp.ring.cuda import CudaSdpaKernel
+from cpbench.cp.ring.flash import FlashAttnKernel
+from cpbench.cp.ring.masks import CAUSAL, DENSE, FULL, SEGMENTS, TileMask, build_ring_masks
 from tests.emulation.aten_sdpa import OPS, Counted
 from tests.unit.test_ring_flash import FLASH_ATTN, HALF, check_against_exact, tolerances
 

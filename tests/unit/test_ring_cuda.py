@@ -1,4 +1,4 @@
-"""CudaSdpaKernel (the ring's block kernel for sdpa on CUDA, cpbench/cp/ring_cuda.py), on CPU, against PyTorch's
+"""CudaSdpaKernel (the ring's block kernel for sdpa on CUDA, cp/ring/cuda.py), on CPU, against PyTorch's
 fused ops as tests/emulation/aten_sdpa.py emulates them from the kernels' sources.
 
 The emulations bind each call to the real op's schema and make the host code's checks (flash: fp16/bf16 only, head
@@ -17,10 +17,10 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from cpbench.cp.ring_cuda import CudaSdpaKernel
-from cpbench.cp.ring_kernels import CpuSdpaKernel, TorchKernel
-from cpbench.cp.ring_select import select_kernel
-from cpbench.cp.ring_masks import CAUSAL, DENSE, FULL, TileMask
+from cpbench.cp.ring.cuda import CudaSdpaKernel
+from cpbench.cp.ring.kernels import CpuSdpaKernel, TorchKernel
+from cpbench.cp.ring.select import select_kernel
+from cpbench.cp.ring.masks import CAUSAL, DENSE, FULL, TileMask
 from tests.emulation.aten_sdpa import Counted
 from tests.unit.test_ring_flash import SCALE, B, D, H, Q, check_against_exact, tiles, tolerances
 

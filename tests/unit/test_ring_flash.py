@@ -1,4 +1,4 @@
-"""FlashAttnKernel's glue (cpbench/cp/ring_flash.py), on CPU, against flash-attn 2.8.3's private functions as
+"""FlashAttnKernel's glue (cp/ring/flash.py), on CPU, against flash-attn 2.8.3's private functions as
 tests/emulation/flash_attn.py emulates them from the kernels' sources (no GPU needed).
 
 The emulation takes `_flash_attn_forward` / `_flash_attn_backward` exactly as flash-attn registers them (torch custom
@@ -21,12 +21,12 @@ import types
 import pytest
 import torch
 
-from cpbench.cp import ring_flash
-from cpbench.cp.ring_cuda import CudaSdpaKernel
-from cpbench.cp.ring_flash import FlashAttnKernel, flash_kernel_or_none
-from cpbench.cp.ring_kernels import CpuSdpaKernel, TorchKernel, acc_dtype
-from cpbench.cp.ring_select import select_kernel
-from cpbench.cp.ring_masks import CAUSAL, DENSE, FULL, TileMask
+from cpbench.cp.ring import flash as ring_flash
+from cpbench.cp.ring.cuda import CudaSdpaKernel
+from cpbench.cp.ring.flash import FlashAttnKernel, flash_kernel_or_none
+from cpbench.cp.ring.kernels import CpuSdpaKernel, TorchKernel, acc_dtype
+from cpbench.cp.ring.select import select_kernel
+from cpbench.cp.ring.masks import CAUSAL, DENSE, FULL, TileMask
 from tests.emulation.flash_attn import FUNCTIONS
 
 B, H, Q, D = 2, 4, 6, 8

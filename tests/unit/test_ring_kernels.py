@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cpbench.cp.ring_kernels import CpuSdpaKernel, TorchKernel
-from cpbench.cp.ring_select import select_kernel
-from cpbench.cp.ring_masks import CAUSAL, DENSE, FULL, TileMask
+from cpbench.cp.ring.kernels import CpuSdpaKernel, TorchKernel
+from cpbench.cp.ring.select import select_kernel
+from cpbench.cp.ring.masks import CAUSAL, DENSE, FULL, TileMask
 
 B, H, HKV, Q, D = 2, 4, 2, 6, 8
 SCALE = D**-0.5
@@ -73,7 +73,7 @@ def test_flash_attn_kernel_needs_cuda_and_flash_attn():
     pytest.importorskip("flash_attn")
     if not torch.cuda.is_available():
         pytest.skip("flash-attn kernels need CUDA")
-    from cpbench.cp.ring_flash import FlashAttnKernel
+    from cpbench.cp.ring.flash import FlashAttnKernel
 
     q = torch.zeros(1, 2, 8, 64, device="cuda", dtype=torch.bfloat16)
     assert isinstance(select_kernel("flash_attention_2", q), FlashAttnKernel)

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from cpbench.cp.layout import SequenceLayout
-from cpbench.cp.ring import RingPlan
-from cpbench.cp.ring_masks import CAUSAL, DENSE, FULL, SKIP, build_ring_masks
+from cpbench.cp.ring.attention import RingPlan
+from cpbench.cp.ring.masks import CAUSAL, DENSE, FULL, SKIP, build_ring_masks
 
 
 def masks(seq=16, padded=16, **kw):

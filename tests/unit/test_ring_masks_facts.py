@@ -10,7 +10,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from cpbench.cp.batch_mask import BatchMask
-from cpbench.cp.ring_masks import CAUSAL, DENSE, FULL, SKIP, build_ring_masks
+from cpbench.cp.ring.masks import CAUSAL, DENSE, FULL, SKIP, build_ring_masks
 
 SYNCS = {"aten::_local_scalar_dense", "aten::nonzero", "aten::is_nonzero", "aten::item"}
 

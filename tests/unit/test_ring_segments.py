@@ -1,4 +1,4 @@
-"""SEGMENTS tiles (cpbench/cp/ring_segments.py): masked ring tiles in flash's varlen form, on CPU, against the
+"""SEGMENTS tiles (cp/ring/segments.py): masked ring tiles in flash's varlen form, on CPU, against the
 varlen kernels as tests/emulation/ emulates them from their sources (aten's `_flash_attention_forward/_backward` in
 aten_flash.py, flash-attn 2.8.3's `_flash_attn_varlen_forward/_backward` in flash_attn.py, both on _flash.py).
 
@@ -19,10 +19,10 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from cpbench.cp.ring_cuda import CudaSdpaKernel
-from cpbench.cp.ring_flash import FlashAttnKernel
-from cpbench.cp.ring_kernels import TorchKernel, acc_dtype
-from cpbench.cp.ring_masks import DENSE, SEGMENTS, TileMask, build_ring_masks
+from cpbench.cp.ring.cuda import CudaSdpaKernel
+from cpbench.cp.ring.flash import FlashAttnKernel
+from cpbench.cp.ring.kernels import TorchKernel, acc_dtype
+from cpbench.cp.ring.masks import DENSE, SEGMENTS, TileMask, build_ring_masks
 from tests.emulation import _flash
 from tests.emulation.aten_sdpa import OPS
 from tests.unit.test_ring_flash import FLASH_ATTN, HALF, as_ring_output, as_rows, tolerances

@@ -7,8 +7,8 @@ from dataclasses import fields
 
 import pyarrow as pa
 
-from cpbench.harness import rows
-from cpbench.harness.spec import Point, load_suite
+from cpbench.harness.run import rows
+from cpbench.harness.suite.spec import Point, load_suite
 from cpbench.report import schema, store
 
 SUITE = 'name = "t"\nmodel = "tiny-qwen3"\nseq_lens = [64]\ncp_sizes = [2]\n'

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from cpbench.harness.spec import NO_STYLE, load_suite
-from cpbench.harness.suites import DEFAULT_SUITE_TOML, resolve_suite
+from cpbench.harness.suite.spec import NO_STYLE, load_suite
+from cpbench.harness.suite.suites import DEFAULT_SUITE_TOML, resolve_suite
 from cpbench.report.units import parse_bytes
 
 ROOT = Path(__file__).parents[2]
@@ -198,7 +198,7 @@ def test_a_toml_syntax_error_names_the_file_and_the_line(tmp_path):
 
 
 def test_mixed_precision_points_are_named_and_one_rank_points_are_skipped_with_why():
-    from cpbench.harness.skips import SkipRules
+    from cpbench.harness.run.skips import SkipRules
 
     points = load_suite("t.toml", text=BASE + 'mixed_precision = true\ndtype = "bfloat16"\n').points()
     assert all(p.mixed_precision and "/mixed-precision/" in p.point_id for p in points)

@@ -8,8 +8,8 @@ import torch
 
 import cpbench
 from cpbench.cp.layout import SequenceLayout
-from cpbench.harness.checks import SuiteErrors
-from cpbench.harness.spec import load_suite
+from cpbench.harness.suite.checks import SuiteErrors
+from cpbench.harness.suite.spec import load_suite
 
 
 @pytest.mark.parametrize("degree", [0, 3, 2.0, True])

@@ -1,0 +1,89 @@
+"""Next-token cross-entropy without the full logits: the output projection and the loss, chunk by chunk.
+
+A full loss holds, per rank, the logits in the model dtype, their fp32 copy, the saved log-softmax and two fp32
+gradients: at 16k tokens and a 152k vocabulary about 27 GiB. Here the model's output projection is given only an
+empty slice of the final hidden states (a forward pre-hook on the head, after FSDP's own, so the head's weights
+are gathered as usual), and the loss is computed from the hidden states in chunks of tokens: each chunk's logits
+(with the model's final soft-capping) are made in fp32, reduced to a sum of cross-entropies and dropped, and
+recomputed in backward (activation checkpointing per chunk). At most one chunk's logits and their gradient exist
+at a time; the sum over chunks is the full loss's sum in another order (fp32 rounding only). `out.logits` is None
+with this loss: ask for the full loss to get logits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from cpbench.cp.loss.causal_lm import IGNORE_INDEX
+
+CHUNK_BYTES = 1 << 28  # fp32 logits of one chunk: 256 MiB (441 tokens of a 152k vocabulary)
+LOSSES = ("full", "chunked", "liger")  # "liger": Liger-Kernel's fused kernels (cp/loss/liger.py), an optional extra
+
+
+def check_loss(loss: str) -> None:
+    if loss not in LOSSES:
+        raise ValueError(f"loss={loss!r} is not one of {list(LOSSES)}: 'full' computes the whole logits (out.logits "
+                         "is set), 'chunked' never holds them (out.logits is None), 'liger' is 'chunked' by "
+                         "Liger-Kernel's fused CUDA kernels.")
+    if loss == "liger":
+        from cpbench.cp.loss.liger import INSTALL_HINT, liger_loss_class
+
+        if liger_loss_class() is None:
+            raise ImportError(INSTALL_HINT)
+
+
+def _chunk_sum(hidden_nh: torch.Tensor, weight_vh: torch.Tensor, targets_n: torch.Tensor, softcap) -> torch.Tensor:
+    logits = F.linear(hidden_nh, weight_vh).float()
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
+    return F.cross_entropy(logits, targets_n, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def chunked_cross_entropy_sum(
+    hidden_bsh: torch.Tensor, weight_vh: torch.Tensor, targets_bs: torch.Tensor, softcap: float | None = None,
+    chunk_bytes: int = CHUNK_BYTES,
+) -> torch.Tensor:
+    """Sum over every position of cross_entropy(hidden @ weight.T, target), -100 ignored, one chunk at a time."""
+    hidden_nh = hidden_bsh.reshape(-1, hidden_bsh.shape[-1])
+    targets_n = targets_bs.reshape(-1)
+    rows = max(1, chunk_bytes // (4 * weight_vh.shape[0]))
+    total = hidden_nh.new_zeros((), dtype=torch.float32)
+    for start in range(0, hidden_nh.shape[0], rows):
+        part = slice(start, start + rows)
+        total = total + checkpoint(_chunk_sum, hidden_nh[part], weight_vh, targets_n[part], softcap,
+                                   use_reentrant=False)
+    return total
+
+
+class HeadInput:
+    """While entered, the model's output projection sees an empty slice of its input, which is kept here."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.head = model.get_output_embeddings()
+        self.hidden: torch.Tensor | None = None
+
+    def _hook(self, module, args):
+        self.hidden = args[0]
+        return (args[0][..., :0, :], *args[1:])
+
+    @contextlib.contextmanager
+    def capture(self):
+        handle = self.head.register_forward_pre_hook(self._hook)
+        try:
+            yield self
+        finally:
+            handle.remove()
+
+    def loss_sum(self, targets_bs: torch.Tensor, config, loss: str = "chunked") -> torch.Tensor:
+        if self.hidden is None:
+            raise RuntimeError(f"the model's forward did not call its output projection; loss={loss!r} needs it.")
+        softcap = getattr(config, "final_logit_softcapping", None)
+        if loss == "liger":
+            from cpbench.cp.loss.liger import liger_cross_entropy_sum
+
+            return liger_cross_entropy_sum(self.hidden, self.head.weight, targets_bs, softcap)
+        return chunked_cross_entropy_sum(self.hidden, self.head.weight, targets_bs, softcap)

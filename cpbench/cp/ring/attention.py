@@ -1,0 +1,182 @@
+"""`cp_ring` and `cp_ring_zigzag`: ring attention with exact per-block masks and O(S/cp) activation memory.
+
+Each rank keeps its queries. Forward: the packed K/V block travels around the ring (cp - 1 steps, the next
+transfer posted before the current block is computed, so they overlap); at step i a rank holds the K/V of rank
+(rank - i) mod cp, computes every tile (query chunk x key chunk) whose mask is not empty, and merges each tile's
+output into its rows by log-sum-exp in fp32. Only q, k, v, the output and the LSE are kept for backward.
+Backward: K/V travel the same way again, and each block's dK/dV accumulator (fp32) travels with it: a rank adds
+its share and passes it on, and after cp hops the accumulator is back with the block's owner. No rank ever holds
+more than two K/V blocks and two dK/dV blocks of other ranks. The next K/V transfer overlaps the compute; the
+dK/dV hop does not (a rank needs the accumulator before adding to it), which costs one dK/dV transfer of latency
+per step and saves two K/V-sized buffers.
+
+P2P transfers per rank (one tensor sent, and one received, per transfer; K and V travel as they are, no packed
+copy): forward 2 (cp - 1); backward 2 (cp - 1) for K/V + 2 cp for dK/dV.
+
+Zigzag is the same algorithm on the zigzag layout: rank r holds chunks r and 2cp-1-r, and the tile skipping
+(causal: a key chunk after a query chunk is never computed) gives every rank the same work at every step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cpbench.cp.hf_compat import model_attention_implementation
+from cpbench.cp.layout import SequenceLayout
+from cpbench.cp.ring.comm import DKV_TAG, KV_TAG, P2PCounter, RingComm
+from cpbench.cp.ring.kernels import RING_IMPLEMENTATIONS, acc_dtype, safe_lse
+from cpbench.cp.ring.select import select_kernel
+from cpbench.cp.ring.masks import SKIP, RingMasks, build_ring_masks
+
+__all__ = ["RING_IMPLEMENTATIONS", "P2PCounter", "ring_attention", "ring_attention_with_lse", "ring_p2p_count"]
+
+
+@dataclass(frozen=True)
+class RingPlan:
+    comm: RingComm
+    layout: SequenceLayout
+    masks: RingMasks
+    kernel: object
+    scale: float
+
+    def tiles(self, step: int):
+        """(query rows, key rows, mask) of every non-empty tile at `step` (K/V of rank `rank - step`)."""
+        n = self.layout.chunk_len
+        source = (self.layout.rank - step) % self.layout.cp_size
+        for qi, qc in enumerate(self.layout.chunks_of(self.layout.rank)):
+            for ki, kc in enumerate(self.layout.chunks_of(source)):
+                tile = self.masks.tile(qc * n, kc * n, n)
+                if tile.kind != SKIP:
+                    yield slice(qi * n, (qi + 1) * n), slice(ki * n, (ki + 1) * n), tile
+
+
+def ring_p2p_count(cp_size: int) -> dict[str, int]:
+    """Transfers one rank sends (and receives) per call, by phase: what `P2PCounter` must count."""
+    return {"forward": 2 * (cp_size - 1), "backward": 2 * (cp_size - 1) + 2 * cp_size}
+
+
+def _merge(out_acc: torch.Tensor, lse_acc: torch.Tensor, out_blk: torch.Tensor, lse_blk: torch.Tensor) -> None:
+    """In place: out_acc/lse_acc become the softmax-weighted union of both partial results."""
+    lse = torch.logaddexp(lse_acc, lse_blk)
+    safe = safe_lse(lse)  # rows that saw no key yet stay 0 with LSE -inf
+    out_acc.mul_(torch.exp(lse_acc - safe)[..., None]).add_(out_blk * torch.exp(lse_blk - safe)[..., None])
+    lse_acc.copy_(lse)
+
+
+def _forward(q, k, v, plan: RingPlan):
+    b, h, s, d = q.shape
+    acc = acc_dtype(q.dtype)
+    # Laid out [B, S, H, D] in memory: the caller's `transpose(1, 2).contiguous()` is then free, so the output the
+    # autograd function saves and the one the model's o_proj saves are one tensor, not two.
+    out = torch.zeros(b, s, h, d, dtype=acc, device=q.device).transpose(1, 2)
+    lse = torch.full((b, h, s), float("-inf"), dtype=acc, device=q.device)
+    for step in range(plan.layout.cp_size):
+        pending = None
+        if step < plan.layout.cp_size - 1:
+            pending = plan.comm.exchange(k, v, phase="forward", tag=KV_TAG)
+        for rows, cols, tile in plan.tiles(step):
+            o, l = plan.kernel.forward(q[:, :, rows], k[:, :, cols], v[:, :, cols], tile, plan.scale)
+            _merge(out[:, :, rows], lse[:, :, rows], o, l)
+        if pending is not None:
+            k, v = pending.wait()
+    return out.to(q.dtype), lse
+
+
+def _backward(dout, q, k, v, out, lse, plan: RingPlan):
+    acc, kv_dtype = acc_dtype(q.dtype), k.dtype
+    cp = plan.layout.cp_size
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    dk = torch.zeros(k.shape, dtype=acc, device=q.device)
+    dv = torch.zeros(v.shape, dtype=acc, device=q.device)
+    dkv_pending = None  # the dK/dV accumulators in flight to this rank (from step 1 on)
+    for step in range(cp):
+        kv_pending = plan.comm.exchange(k, v, phase="backward", tag=KV_TAG) if step < cp - 1 else None
+        if step > 0:
+            # The accumulators of the block now held, with the shares of the ranks it visited before. Adding into
+            # them (rather than into fresh buffers while they travel) keeps two fewer K/V-sized buffers alive.
+            dk, dv = dkv_pending.wait()
+        for rows, cols, tile in plan.tiles(step):
+            plan.kernel.backward(
+                dout[:, :, rows], q[:, :, rows], k[:, :, cols], v[:, :, cols], out[:, :, rows], lse[:, :, rows],
+                tile, plan.scale, dq[:, :, rows], dk[:, :, cols], dv[:, :, cols],
+            )
+        if kv_pending is None:
+            del k, v  # the last block is done with: free it before the last hop allocates its buffers
+        dkv_pending = plan.comm.exchange(dk, dv, phase="backward", tag=DKV_TAG)
+        del dk, dv  # the pending send holds them until it completes
+        if kv_pending is not None:
+            k, v = kv_pending.wait()
+    dk, dv = dkv_pending.wait()  # after cp hops, the accumulators of this rank's own block
+    return dq.to(q.dtype), dk.to(kv_dtype), dv.to(kv_dtype)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, plan: RingPlan):
+        # K/V are sent as they are, so keep them contiguous once here (the model hands over transposed views)
+        # rather than letting every hop copy them.
+        k, v = k.contiguous(), v.contiguous()
+        out, lse = _forward(q, k, v, plan)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.plan = plan
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        # Let go of the plan (it holds the model's whole mask) with the saved tensors: a graph node can outlive its
+        # backward (a memory tracker's hooks keep them), and the mask would then stay alive step after step.
+        plan, ctx.plan = ctx.plan, None
+        if plan is None:
+            raise RuntimeError(
+                "cp_ring's backward ran twice on the same graph (backward(retain_graph=True), then backward again); "
+                "ring attention frees its state after one backward: run the forward again for a second backward."
+            )
+        dq, dk, dv = _backward(dout, *ctx.saved_tensors, plan)
+        return dq, dk, dv, None
+
+
+def ring_attention_with_lse(
+    q_bhsd, k_bhsd, v_bhsd, masks: RingMasks, *, layout: SequenceLayout, group, kernel, scale: float,
+    counter: P2PCounter | None = None,
+):
+    """Ring attention over the cp group: (output [B, H, S_local, D], LSE [B, H, S_local] in fp32/fp64)."""
+    comm = RingComm(group, counter)
+    assert comm.size == layout.cp_size and comm.rank == layout.rank, (comm.size, comm.rank, layout)
+    assert q_bhsd.shape[2] == k_bhsd.shape[2] == layout.local_len, (q_bhsd.shape, k_bhsd.shape, layout)
+    if q_bhsd.shape[1] % k_bhsd.shape[1]:
+        raise ValueError(
+            f"cp_ring: {q_bhsd.shape[1]} query heads are not a multiple of {k_bhsd.shape[1]} key/value heads; "
+            "GQA needs num_attention_heads to be a multiple of num_key_value_heads (fix the model config)."
+        )
+    return _RingAttention.apply(q_bhsd, k_bhsd, v_bhsd, RingPlan(comm, layout, masks, kernel, scale))
+
+
+def ring_attention(
+    module, query, key, value, attention_mask, *, inner, group, layout, p2p_counter=None, kernel_device=None, **kwargs
+):
+    """The attention function of the `cp_ring` / `cp_ring_zigzag` styles (see styles.py for the contract)."""
+    del inner  # the ring runs its own block kernel, chosen from the model's attn_implementation
+    dropout = kwargs.get("dropout") or 0.0
+    if dropout > 0:
+        raise ValueError(
+            f"cp_ring does not implement attention dropout (got dropout={dropout}); set the config's "
+            "attention_dropout=0.0, call model.eval(), or use cp_ulysses."
+        )
+    implementation = model_attention_implementation(module)
+    kernel = select_kernel(implementation, query, kwargs.get("softcap"), kernel_device)
+    masks = build_ring_masks(
+        attention_mask, seq_len=layout.seq_len, padded_len=layout.padded_len, device=query.device,
+        is_causal=getattr(module, "is_causal", True), position_ids=kwargs.get("position_ids"),
+        sliding_window=kwargs.get("sliding_window"), eager=implementation == "eager",
+        batch=layout.facts.get() if layout.facts is not None else None,
+        varlen=bool(getattr(kernel, "takes_segments", lambda q: False)(query)),
+    )
+    scale = kwargs.get("scaling")
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    out, _ = ring_attention_with_lse(
+        query, key, value, masks, layout=layout, group=group, kernel=kernel, scale=scale, counter=p2p_counter
+    )
+    return out.transpose(1, 2).contiguous(), None  # no copy: see _forward

@@ -1,0 +1,198 @@
+"""Masked ring tiles in flash attention's variable-length form: packed documents, padded keys and sliding windows
+without a mask tensor.
+
+A ring tile is the queries of one layout chunk against the keys of one chunk: contiguous position ranges of the
+same length, either the same range (the diagonal) or disjoint (the keys before the queries, for a causal model).
+Inside one document such a tile is therefore causal over identical ranges (diagonal) or full (keys before
+queries), and the documents of a tile are independent sequences: exactly flash's varlen form (cu_seqlens), with a
+row's padded keys cut off each document's key range. A sliding window that cuts into the tile is flash's
+`window_size` (bottom-right aligned, which is top-left for equal lengths): (w - 1, 0) on the diagonal, for every
+document; (w - 1 - d, -1) for keys d positions before the queries, where flash reads -1 beside a left window as
+max_seqlen_k (not unbounded). A varlen call has one window for all its sequences, so off the diagonal a window is
+taken only where every segment it cuts has equal query and key lengths and the same offset d, it leaves the others
+whole, and no segment has more queries than max_seqlen_k + 1 (whose first rows would lose keys). Anything else (a
+padded run inside a document's keys, right-padded queries past the last key on the diagonal, a window edge beyond
+the tile, a window flash cannot say) stays a DENSE tile. Rows outside every segment see no key in the tile: output 0,
+LSE -inf, as the ring's merge expects; every row inside a segment sees at least one key, so no kernel meets an empty
+row (flash would give it LSE +inf, which the merge would turn into NaN).
+
+The kernels (`ring_cuda.CudaSdpaKernel` through aten's flash op, `ring_flash.FlashAttnKernel` through flash-attn)
+each supply a `VarlenOps` pair; packing, cu_seqlens and scattering back are here, once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from cpbench.cp.batch_mask import BatchMask, Runs
+
+Run = tuple[int, int, int, int, int]  # (batch row, q start, q end, k start, k end), tile-relative
+
+
+@dataclass(frozen=True)
+class Segments:
+    causal: bool
+    runs: tuple[Run, ...]
+    rows: int  # batch rows the runs name (1: the same runs for every row of the batch)
+    window: tuple[int, int] = (-1, -1)  # flash's (left, right); -1 is unbounded
+
+
+def segments_of(batch: BatchMask, seq_len: int, causal: bool, window: int | None, q0: int, k0: int,
+                n: int) -> Segments | None:
+    """The tile (queries [q0, q0 + n), keys [k0, k0 + n)) as segments, or None when it has no varlen form."""
+    q1, k1 = min(q0 + n, seq_len), min(k0 + n, seq_len)
+    diagonal = q0 == k0
+    if causal and not diagonal and k1 > q0:
+        return None  # keys after the queries: a SKIP tile, never asked for
+    rows = batch.rows if (batch.docs or batch.pads) else 1
+    runs: list[Run] = []
+    for r in range(rows):
+        pads = batch.row_runs("pads", r)
+        for a, b in batch.row_runs("docs", r) or ((0, seq_len),):
+            qs, qe = max(q0, a), min(q1, b)
+            keys = _unpadded(max(k0, a), min(k1, b), pads)
+            if qs >= qe or keys == ():
+                continue
+            if keys is None:
+                return None  # padded keys inside the document's range: more than one key run
+            ks, ke = keys
+            if causal and diagonal:
+                if ke < qe:
+                    return None  # queries past the last valid key see them all: not causal over identical ranges
+                qs = ks  # queries before the first valid key see nothing here
+            runs.append((r, qs - q0, qe - q0, ks - k0, ke - k0))
+    if not runs:
+        return None
+    flash_window = _window(runs, window, q0, k0, causal, diagonal)
+    if flash_window is None:
+        return None
+    return Segments(causal and diagonal, tuple(runs), rows, flash_window)
+
+
+def _unpadded(ks: int, ke: int, pads: Runs) -> tuple[int, int] | tuple | None:
+    """[ks, ke) less the padded runs: one (start, end) run, () when nothing is left, None when it splits."""
+    pieces, start = [], ks
+    for a, b in pads:
+        if b <= start or a >= ke:
+            continue
+        if a > start:
+            pieces.append((start, a))
+        start = max(start, b)
+    if start < ke:
+        pieces.append((start, ke))
+    if len(pieces) > 1:
+        return None
+    return pieces[0] if pieces else ()
+
+
+def _window(runs: list[Run], window: int | None, q0: int, k0: int, causal: bool, diagonal: bool):
+    """flash's (left, right) for the tile: (-1, -1) when no window cuts a segment, None when one cuts and flash's
+    single window cannot say it for every segment."""
+    if window is None or not causal:
+        return (-1, -1)
+    cut = [run for run in runs if (q0 + run[2] - 1) - (k0 + run[3]) >= window]
+    if not cut:
+        return (-1, -1)
+    if diagonal:  # causal over identical ranges: (w - 1, 0) is every segment's window, cut or not
+        return (window - 1, 0)
+    # Keys before the queries: a cut segment of equal lengths needs left = w - 1 - (its query start - its key start);
+    # one left for all, and it must leave the uncut segments whole (left >= their key count - 1).
+    lefts = {window - 1 - ((q0 + qs) - (k0 + ks)) if qe - qs == ke - ks else -1 for _, qs, qe, ks, ke in cut}
+    if len(lefts) != 1:
+        return None
+    left = lefts.pop()
+    if left < 0 or any(left < ke - ks - 1 for run in runs if run not in cut for _, _, _, ks, ke in (run,)):
+        return None
+    # flash has no "unbounded on the right" beside a left window: `left >= 0, right < 0` becomes right = max_k
+    # (set_params_fprop, and mha_varlen_fwd maps right >= max_k to -1 first), bottom-right aligned per sequence, so
+    # query i of a run sees keys up to i + (k len - q len) + max_k. The first query keeps its run's last key only
+    # when q len <= max_k + 1; a run with more queries than that (an uncut document with few keys in the tile)
+    # would lose keys, so such a tile stays DENSE.
+    if max(qe - qs for _, qs, qe, _, _ in runs) > max(ke - ks for _, _, _, ks, ke in runs) + 1:
+        return None
+    return (left, -1)
+
+
+# -- packing a tile for a varlen call ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class VarlenOps:
+    """A kernel's varlen pair on packed [tokens, heads, dim] tensors (head dim a multiple of 8):
+    forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, left, right, scale) -> (out, LSE fp32 [heads, q tokens]);
+    backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, left, right, scale) -> (dq, dk, dv)."""
+
+    forward: Callable
+    backward: Callable
+
+
+class _Packed:
+    """A tile's tokens as (batch row, position) index pairs, segment after segment, and their cu_seqlens. Gathers
+    and scatters index the [B, H, n, D] tiles directly: one copy of the tokens, none of the whole tile."""
+
+    def __init__(self, seg: Segments, batch: int, n: int, device):
+        if seg.rows == 1:  # the same runs for every row of the batch
+            runs = [(b, *run[1:]) for b in range(batch) for run in seg.runs]
+        else:
+            runs = list(seg.runs)
+        q_lens = [qe - qs for _, qs, qe, _, _ in runs]
+        k_lens = [ke - ks for _, _, _, ks, ke in runs]
+        self.q = _pairs([(b, qs, qe) for b, qs, qe, _, _ in runs], device)
+        self.k = _pairs([(b, ks, ke) for b, _, _, ks, ke in runs], device)
+        self.cu_q = torch.tensor(_cumsum(q_lens), dtype=torch.int32, device=device)
+        self.cu_k = torch.tensor(_cumsum(k_lens), dtype=torch.int32, device=device)
+        self.max_q, self.max_k = max(q_lens), max(k_lens)
+
+    @staticmethod
+    def take(x: torch.Tensor, at: tuple[torch.Tensor, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """[B, H, n, D] -> the indexed tokens [T, H, D'] in `dtype`, the head dim zero-padded to a multiple of 8 (the
+        only ones flash kernels take; zeros change no score)."""
+        rows, positions = at
+        x = x[rows, :, positions].to(dtype)
+        d = x.shape[-1]
+        return F.pad(x, (0, -d % 8)) if d % 8 else x
+
+
+def _pairs(spans: list[tuple[int, int, int]], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(batch rows, positions) of the tokens of [(row, start, end), ...], in that order."""
+    positions = torch.cat([torch.arange(a, e, device=device) for _, a, e in spans])
+    rows = torch.cat([torch.full((e - a,), r, device=device) for r, a, e in spans])
+    return rows, positions
+
+
+def _cumsum(lengths: list[int]) -> list[int]:
+    out = [0]
+    for n in lengths:
+        out.append(out[-1] + n)
+    return out
+
+
+def varlen_forward(ops: VarlenOps, q, k, v, seg: Segments, scale: float, acc: torch.dtype):
+    b, h, n, d = q.shape
+    p = _Packed(seg, b, n, q.device)
+    q_, k_, v_ = p.take(q, p.q, q.dtype), p.take(k, p.k, q.dtype), p.take(v, p.k, q.dtype)
+    out, lse = ops.forward(q_, k_, v_, p.cu_q, p.cu_k, p.max_q, p.max_k, seg.causal, *seg.window, float(scale))
+    out_full = torch.zeros(b, h, n, d, dtype=acc, device=q.device)  # rows outside every segment: 0, LSE -inf
+    lse_full = torch.full((b, h, n), float("-inf"), dtype=acc, device=q.device)
+    out_full[p.q[0], :, p.q[1]] = out[..., :d].to(acc)
+    lse_full[p.q[0], :, p.q[1]] = lse.t().to(acc)
+    return out_full, lse_full
+
+
+def varlen_backward(ops: VarlenOps, dout, q, k, v, out, lse, seg: Segments, scale: float, dq, dk, dv) -> None:
+    """Adds the tile's gradients into the accumulators dq [B, H, n, D], dk/dv [B, Hkv, n, D] (every token of a tile
+    is in one segment at most, so the indexed adds never meet)."""
+    d = q.shape[-1]
+    p = _Packed(seg, q.shape[0], q.shape[2], q.device)
+    q_, o_, do_ = (p.take(x, p.q, q.dtype) for x in (q, out, dout))
+    k_, v_ = p.take(k, p.k, q.dtype), p.take(v, p.k, q.dtype)
+    lse_ = lse[p.q[0], :, p.q[1]].t().float().contiguous()  # [H, T], as flash's backward wants it
+    gq, gk, gv = ops.backward(do_, q_, k_, v_, o_, lse_, p.cu_q, p.cu_k, p.max_q, p.max_k, seg.causal, *seg.window,
+                              float(scale))
+    dq[p.q[0], :, p.q[1]] += gq[..., :d].to(dq.dtype)
+    dk[p.k[0], :, p.k[1]] += gk[..., :d].to(dk.dtype)
+    dv[p.k[0], :, p.k[1]] += gv[..., :d].to(dv.dtype)

@@ -1,0 +1,123 @@
+"""The training step of a point: its model, batch, optimizer and the steps whose memory is tracked.
+
+One definition, used by both modes of the harness: a measured run (`run/worker.py`, real tensors and process group)
+and a projection (`project/projection.py`, fake tensors and a fake process group). Only the tensors and the process
+group differ between them; every choice here is the point's, including the ones that follow its device (the
+optimizer's foreach kernels are CUDA's default, the single-tensor loop CPU's).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from cpbench.harness.measure import parity
+from cpbench.harness.measure.collectives import CollectiveCounter
+from cpbench.harness.suite.presets import get_preset
+from cpbench.harness.suite.spec import NO_STYLE, Point
+
+
+def make_batch(point: Point, vocab_size: int, device) -> dict:
+    """The point's batch. `position_ids` are always given (0..S-1, or restarting per packed document): transformers
+    decides from their values whether a batch is packed, and giving them makes that decision the same whether the
+    values are real or a projection's known constants (it computes the same arange itself otherwise)."""
+    g = torch.Generator().manual_seed(point.seed + 1)
+    ids = torch.randint(0, vocab_size, (point.batch_size, point.seq_len), generator=g)
+    positions = torch.arange(point.seq_len)
+    batch = {"input_ids": ids, "labels": ids.clone()}
+    if point.batch_kind == "packed":  # four documents per row; positions restart at each
+        positions = positions % -(-point.seq_len // 4)
+    elif point.batch_kind == "padded":  # every other row right-padded by a quarter
+        mask = torch.ones_like(ids)
+        mask[::2, point.seq_len - point.seq_len // 4 :] = 0
+        batch["attention_mask"] = mask
+        batch["labels"] = ids.masked_fill(mask == 0, -100)
+    batch["position_ids"] = positions.expand(point.batch_size, -1).clone()
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def build_model(point: Point, device) -> torch.nn.Module:
+    """The point's model with seeded random weights: identical on every rank and in the reference."""
+    from transformers import AutoModelForCausalLM
+
+    config = get_preset(point.preset).config(point.model_overrides)
+    # Mixed precision keeps fp32 master weights; FSDP2 casts them to the point's dtype for compute.
+    dtype = torch.float32 if point.mixed_precision else parity.DTYPES[point.dtype]
+    torch.manual_seed(point.seed)
+    if torch.device(device).type == "cuda":
+        torch.cuda.manual_seed(point.seed)
+    with torch.device(device):  # initialised where it runs: no host copy of a large model
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=dtype, attn_implementation=point.attn_implementation
+        )
+    if point.activation_checkpointing:
+        model.activation_checkpointing_enable()
+    return model
+
+
+def build_reference_model(point: Point, device) -> torch.nn.Module:
+    """The unsharded reference: the point's model, computing in the point's dtype. Under mixed precision that is
+    the fp32 weights cast to it, as FSDP2 casts them for every forward."""
+    model = build_model(point, device)
+    return model.to(parity.DTYPES[point.dtype]) if point.mixed_precision else model
+
+
+def distribute(model: torch.nn.Module, point: Point, mesh=None, kernel_device: str | None = None) -> torch.nn.Module:
+    """FSDP2 over fsdp x cp, the point's CP style and its loss. `mesh`: one built beforehand (a projection builds
+    it outside its fake-tensor mode); `kernel_device`: whose attention kernels CP picks (see DistributedConfig)."""
+    import cpbench
+
+    if point.world_size > 1:
+        model = _parallelize(model, point, mesh, kernel_device)
+    return cpbench.use_loss(model, point.loss_mode) if point.loss_mode != "full" else model
+
+
+def _parallelize(model, point: Point, mesh, kernel_device):
+    import cpbench
+
+    plan = {"model.layers.*.self_attn": point.cp_style} if point.cp_style != NO_STYLE else None
+    config = cpbench.DistributedConfig(
+        cp_size=point.cp_size, fsdp_size=point.fsdp_size, dp_replicate_size=point.dp_replicate_size, cp_plan=plan,
+        cp_kernel_device=kernel_device, fsdp_mixed_precision=point.mixed_precision,
+        cp_ulysses_degree=point.cp_ulysses_degree,
+    )
+    return cpbench.parallelize(model, config, mesh=mesh)
+
+
+def make_optimizer(model: torch.nn.Module, point: Point) -> torch.optim.Optimizer:
+    # torch picks foreach kernels for CUDA parameters and the per-tensor loop for CPU ones; a projection of a CUDA
+    # point (CPU fake tensors) must hold the foreach temporaries that CUDA would, so the choice follows the point.
+    return torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=point.device == "cuda")
+
+
+def forward(model, batch: dict):
+    """A training forward. No KV cache: CP refuses one, and with a cache transformers skips the packed-sequence
+    mask (position_ids restarting), so every point and the reference run the same computation."""
+    return model(**batch, use_cache=False)
+
+
+def train_step(model, optimizer, batch, keep_outputs: bool = False) -> None:
+    """One step as a training loop writes it. By default only the loss lives through backward, as in
+    `loss = model(**batch).loss` (transformers' Trainer): the logits are freed before backward. With
+    `keep_outputs` the whole output (the logits) lives through backward and the optimizer step, as in
+    `out = model(**batch); out.loss.backward()`."""
+    if keep_outputs:
+        out = forward(model, batch)
+        out.loss.backward()
+    else:
+        forward(model, batch).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def tracked_steps(point: Point, model, optimizer, batch, probe, steps: int | None = None) -> dict:
+    """The steps whose memory counts: identical steps after step 0, each its own segment (the smallest peak counts,
+    see probes.py). The collectives of the last one are counted; returns them per kind."""
+    steps = point.warmup_steps if steps is None else steps
+    probe.track_state()  # the optimizer state that step 0 made
+    counter = CollectiveCounter()
+    for i in range(steps):
+        with probe.segment(repeat="step"), (counter if i == steps - 1 else contextlib.nullcontext()):
+            train_step(model, optimizer, batch, point.keep_outputs)
+    return counter.columns()

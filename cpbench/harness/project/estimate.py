@@ -1,0 +1,172 @@
+"""`cpbench estimate`: a suite's points projected, not measured (projection.py), into the same Parquet schema.
+
+Every row is `measurement = "projected"`: status `ok`, `oom` when the projected per-rank peak passes the capacity
+(`--device-memory`, else the suite's `memory_budget`), `skipped` with why (a backend whose kernels cannot run on
+fake tensors, a longer length of a configuration already out of memory), or `error` with the message: one point
+that fails is recorded and the others go on. `--max-seq` searches, per configuration, the largest length that
+fits (max_seq.py).
+
+Each configuration (the points that differ only in length) is a chain: its next length waits for the verdict on
+the one before. Chains run side by side, one (point, rank) projection per worker process, so the cores of the
+machine share the work; rows are written as points finish.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as futures
+import multiprocessing
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from cpbench.report import store
+from cpbench.report.units import parse_bytes
+
+from cpbench.harness.run import rows
+from cpbench.harness.measure.env import fingerprint
+from cpbench.harness.project.projection import project_rank, projected_ranks
+from cpbench.harness.run.skips import SkipRules
+from cpbench.harness.suite.spec import Point, Suite
+from cpbench.harness.suite.suites import resolve_suite
+from cpbench.harness.run.sweep import pick_run_dir
+
+
+@dataclass(kw_only=True)
+class EstimateOptions:
+    suite: str | Suite | None = None
+    out: Path = Path("results")
+    run: str | None = None
+    device_memory: str | None = None
+    max_seq: bool = False
+    granularity: int = 1024
+    jobs: int | None = None  # worker processes (default: the CPUs, at most 8); 1: in this process
+
+
+class Estimator:
+    """The run being written: one row per point, with the skip rules learned from what is written."""
+
+    def __init__(self, run_dir: Path, suite: Suite, capacity: int | None, on_row=None):
+        self.run_dir, self.suite, self.capacity, self.on_row = run_dir, suite, capacity, on_row
+        self.ctx = {"run_id": run_dir.name, "env": fingerprint(suite.device), "budget": capacity,
+                    "measurement": "projected"}
+        self.rules = SkipRules()
+
+    def skip(self, point: Point) -> dict | None:
+        """The `skipped` row of a point that is not projected (written), or None."""
+        why = self.rules.why_skip(point, projection=True)
+        return self.write(point, rows.outcome_row(point, "skipped", why, 0.0, **self.ctx)) if why else None
+
+    def finish(self, point: Point, records: list[dict] | None, error: str | None, wall_s: float) -> dict:
+        if error is not None:
+            row = rows.outcome_row(point, "error", f"projection failed: {error}", wall_s, **self.ctx)
+        else:
+            by_rank = {r["rank"]: r for r in records}
+            ranks = [{**by_rank[r % point.cp_size if len(by_rank) > 1 else 0], "rank": r}
+                     for r in range(point.world_size)]
+            row = rows.measured_row(point, ranks, wall_s, **self.ctx)
+        return self.write(point, row)
+
+    def write(self, point: Point, row: dict) -> dict:
+        store.append_rows(self.run_dir, [row])
+        self.rules.observe(point, row["status"])
+        if self.on_row:
+            self.on_row(row)
+        return row
+
+
+def in_order(points: list[Point]):
+    """A chain that projects its points in order (the skip rules drop longer ones after an `oom`)."""
+    for point in points:
+        yield point
+
+
+def capacity_of(opts: EstimateOptions, suite: Suite) -> int | None:
+    text = opts.device_memory or suite.memory_budget
+    return parse_bytes(text, field_name="--device-memory") if text else None
+
+
+def run_estimate(opts: EstimateOptions, on_row=None) -> Path:
+    """Projects a suite (or, with `max_seq`, searches its largest lengths); returns the run folder."""
+    suite = opts.suite if isinstance(opts.suite, Suite) else resolve_suite(opts.suite)
+    capacity = capacity_of(opts, suite)
+    if opts.max_seq and capacity is None:
+        raise ValueError("--max-seq needs a capacity: pass --device-memory (e.g. 80GiB) or set the suite's "
+                         "memory_budget.")
+    jobs = opts.jobs if opts.jobs is not None else min(os.cpu_count() or 1, 8)
+    if jobs < 1:
+        raise ValueError(f"--jobs {jobs}: give at least 1 (worker processes; 1 projects in this process).")
+    run_dir = pick_run_dir(Path(opts.out) / suite.name, opts.run, resume=False)
+    estimator = Estimator(run_dir, suite, capacity, on_row)
+    if opts.max_seq:
+        from cpbench.harness.project.max_seq import chains
+
+        run_chains(estimator, chains(suite, opts.granularity), jobs)
+    else:
+        families: dict[str, list[Point]] = {}
+        for p in suite.points():
+            families.setdefault(p.family_key, []).append(p)
+        run_chains(estimator, [in_order(points) for points in families.values()], jobs)
+    return run_dir
+
+
+def _project(point: dict, rank: int) -> dict:
+    """A worker's task (module level, so a spawned process can import it)."""
+    return project_rank(Point.from_dict(point), rank)
+
+
+class _InProcess:
+    """The executor interface, run at submission: `--jobs 1`, and tests."""
+
+    def submit(self, fn, *args):
+        future = futures.Future()
+        try:
+            future.set_result(fn(*args))
+        except Exception as e:  # noqa: BLE001 - the future carries it, as a worker's would
+            future.set_exception(e)
+        return future
+
+    def shutdown(self, **_):
+        pass
+
+
+def run_chains(estimator: Estimator, chains: list, jobs: int) -> None:
+    """Drives every chain (a generator that yields the next Point and is sent back its row) to its end."""
+    pool = _InProcess() if jobs == 1 else futures.ProcessPoolExecutor(
+        jobs, mp_context=multiprocessing.get_context("spawn"))
+    running: dict[futures.Future, tuple] = {}  # future -> (chain, point, rank)
+    done: dict[str, list] = {}  # point_key -> records (or the error) so far
+    started: dict[str, float] = {}
+    try:
+        for chain in chains:
+            _advance(estimator, pool, chain, None, running, started)
+        while running:
+            finished, _ = futures.wait(running, return_when=futures.FIRST_COMPLETED)
+            for future in finished:
+                chain, point, _ = running.pop(future)
+                error = future.exception()
+                results = done.setdefault(point.point_key, [])
+                results.append(f"{type(error).__name__}: {error}" if error else future.result())
+                if len(results) < len(projected_ranks(point)):
+                    continue
+                errors = [r for r in results if isinstance(r, str)]
+                row = estimator.finish(point, None if errors else results, errors[0] if errors else None,
+                                       time.perf_counter() - started[point.point_key])
+                _advance(estimator, pool, chain, row, running, started)
+    finally:
+        pool.shutdown(cancel_futures=True)
+
+
+def _advance(estimator: Estimator, pool, chain, row, running: dict, started: dict) -> None:
+    """Sends `row` to the chain and submits its next point's ranks (skipped points are answered at once)."""
+    while True:
+        try:
+            point = chain.send(row) if row is not None else next(chain)
+        except StopIteration:
+            return
+        row = estimator.skip(point)
+        if row is None:
+            started[point.point_key] = time.perf_counter()
+            for rank in projected_ranks(point):
+                running[pool.submit(_project, point.to_dict(), rank)] = (chain, point, rank)
+            return

@@ -1,0 +1,121 @@
+"""A projection: one rank of a point's step on fake tensors against a fake process group, in this process.
+
+The step is `measure/step.py`'s, as a measured run takes it (the model, the plan, FSDP2 over fsdp x cp, the loss, AdamW);
+only the tensors and the process group are swapped, and the kernels are those of the point's device
+(`DistributedConfig.cp_kernel_device`, the optimizer's foreach choice). Memory is tracked by the same tracker as a
+measured CPU run (probes.py), so on CPU the two are held equal by tests.
+
+What has to hold for the fake step to take the real one's decisions:
+- the device mesh is built outside the fake-tensor mode (DeviceMesh reads its rank tensor with `.tolist()`);
+- the batch's small integer tensors (ids, positions, padding mask: O(batch x seq)) are fake tensors that carry
+  their real values as constants, and torch's constant propagation is allowed for tensors of that size, so a
+  decision that reads values (is this batch packed? padded?) reads the real ones. Anything computed from the
+  model's weights or activations stays a plain fake tensor;
+- transformers would treat any fake tensor as tracing and build a dense S x S mask where a real run builds
+  none: `hf_compat.known_values_are_not_tracing` lets it read those constants instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import time
+
+import torch
+import torch.distributed as dist
+
+from cpbench.harness.measure import step
+from cpbench.harness.measure.probes import memory_probe
+from cpbench.harness.suite.spec import Point
+
+# Fake tensors up to this many elements keep their values when computed from known values (torch's default: 1).
+# The batch's integer tensors and what is derived from them element-wise are O(batch x seq); S x S is never
+# derived from known values alone (every mask also reads a fresh arange, which carries no constant).
+KNOWN_VALUES_MAX_NUMEL = 1 << 26
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int, rank: int):
+    """torch.distributed initialised with a fake process group: every collective returns at once."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("a projection needs its own process group, but torch.distributed is initialised here")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def fake_tensors():
+    """A FakeTensorMode in which known values propagate (see the module docstring)."""
+    import torch._subclasses.fake_tensor as fake
+
+    from cpbench.cp import hf_compat
+
+    limit = fake.CONSTANT_NUMEL_LIMIT
+    fake.CONSTANT_NUMEL_LIMIT = KNOWN_VALUES_MAX_NUMEL
+    try:
+        with fake.FakeTensorMode() as mode, hf_compat.known_values_are_not_tracing():
+            yield mode
+    finally:
+        fake.CONSTANT_NUMEL_LIMIT = limit
+
+
+def known(mode, batch: dict) -> dict:
+    """Fake copies of real tensors that carry the real values (see the module docstring)."""
+    return {k: mode.fake_tensor_converter.from_real_tensor(mode, v, make_constant=True) for k, v in batch.items()}
+
+
+def _mesh(point: Point):
+    if point.world_size == 1:
+        return None
+    import cpbench
+    from cpbench.cp.mesh import build_mesh
+
+    config = cpbench.DistributedConfig(
+        cp_size=point.cp_size, fsdp_size=point.fsdp_size, dp_replicate_size=point.dp_replicate_size,
+        cp_ulysses_degree=point.cp_ulysses_degree,
+    )
+    return build_mesh(config, "cpu")
+
+
+def project_rank(point: Point, rank: int) -> dict:
+    """One rank's record, like a measured rank's (worker.run_point) without time or parity."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    t0 = time.perf_counter()
+    with fake_world(point.world_size, rank):
+        mesh = _mesh(point)
+        with fake_tensors() as mode:
+            model = step.build_model(point, "cpu")
+            num_params = sum(p.numel() for p in model.parameters())
+            model = step.distribute(model, point, mesh=mesh, kernel_device=point.device)
+            with unset_fake_temporarily():
+                batch = step.make_batch(point, model.config.vocab_size, "cpu")
+            batch = known(mode, batch)
+            optimizer = step.make_optimizer(model, point)
+            probe = memory_probe("cpu", model, optimizer, None)
+            step.train_step(model, optimizer, batch)  # step 0: creates the optimizer state, untracked
+            comm = step.tracked_steps(point, model, optimizer, batch, probe, steps=1)  # fake steps are identical
+            record = {"rank": rank, "status": "ok", **probe.result(), **comm, "rss_peak_bytes": None,
+                      "step_times_s": [], "num_params": num_params, "model_type": model.config.model_type,
+                      "parity_mode": "off", "run_s": time.perf_counter() - t0}
+            del model, optimizer, probe, batch
+    gc.collect()
+    return record
+
+
+def projected_ranks(point: Point) -> list[int]:
+    """The cp ranks a projection runs (the others repeat one of them). Ranks that differ only in their fsdp or
+    replicate index hold equal shards and run the same step on another batch: the same memory. Within a cp
+    group, the ranks of a plain batch under Ulysses, or under zigzag ring attention, hold the same shapes and do
+    the same work at every step (zigzag's point), so rank 0 stands for all; the contiguous ring (its ranks skip
+    different tiles), packed or padded batches (their masks differ per rank) and lengths the layout pads (the last
+    rank's slice is short) project every cp rank."""
+    chunks = {"cp_ulysses": point.cp_size, "cp_ring_zigzag": 2 * point.cp_size}.get(point.cp_style)
+    if chunks and point.batch_kind == "plain" and point.seq_len % chunks == 0:
+        return [0]
+    return list(range(point.cp_size))

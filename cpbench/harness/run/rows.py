@@ -1,0 +1,150 @@
+"""Per-rank records -> one row of the results schema. Every aggregation names its reducer:
+
+- memory: `max` over ranks, beside the per-rank list (never a sum, never rank 0 alone); the breakdown is the
+  one of the rank with the highest peak, so its parts add up to `peak_bytes`;
+- time: per measured step, the `max` over ranks (a step ends when its slowest rank ends); median and p10/p90
+  of those;
+- parity: rank 0's comparison (it holds the gathered logits and full gradients).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+from cpbench.report.schema import SCHEMA_VERSION
+
+from cpbench.harness.measure.env import now_iso
+from cpbench.harness.measure.flops import no_peak_reason, peak_flops, train_step_flops
+from cpbench.harness.suite.presets import get_preset
+from cpbench.harness.suite.spec import Point
+
+
+def base_row(point: Point, *, run_id: str, env: dict, budget: int | None, measurement: str = "measured") -> dict:
+    spec = point.to_dict()
+    row = {c: spec[c] for c in (
+        "suite", "model", "seq_len", "batch_size", "batch_kind", "cp_size", "fsdp_size", "dp_replicate_size",
+        "world_size", "attn_implementation", "cp_style", "dtype", "device", "warmup_steps", "measured_steps",
+        "keep_outputs", "loss_mode", "activation_checkpointing", "mixed_precision", "parity_mode", "level",
+        "implementation", "cp_ulysses_degree",
+    )}
+    config = get_preset(point.preset).config(point.model_overrides)
+    if point.level == "attention":
+        from cpbench.harness.peers.attention_level import attention_flops
+
+        flops = attention_flops(point)
+    else:
+        flops = model_flops(point, config)
+    row.update(
+        schema_version=SCHEMA_VERSION, measurement=measurement, run_id=run_id, point_id=point.point_id, point_key=point.point_key,
+        model_type=config.model_type, spec_json=json.dumps(spec, sort_keys=True), memory_budget_bytes=budget,
+        flops_per_step=flops,
+        timestamp=now_iso(), **env,
+    )
+    return row
+
+
+def model_flops(point: Point, config) -> float:
+    """Model FLOPs of the point's training step over the whole world, counted on the point's own batch (its packed
+    documents and padding: flops.py), once per data-parallel replica (a cp group shares one batch)."""
+    from cpbench.harness.measure.step import make_batch
+
+    batch = make_batch(point, config.vocab_size, "cpu")
+    per_batch = train_step_flops(config, point.seq_len, point.batch_size, position_ids=batch["position_ids"],
+                                 attention_mask=batch.get("attention_mask"))
+    return float(per_batch * _dp(point))
+
+
+def _dp(point: Point) -> int:
+    """Data-parallel replicas with their own batch: every rank of a cp group shares one batch."""
+    return point.world_size // point.cp_size
+
+
+def outcome_row(point: Point, status: str, detail: str | None, wall_s: float, **ctx) -> dict:
+    """A point that did not produce measurements (error, timeout, oom before the end, skipped)."""
+    row = base_row(point, **ctx)
+    parity = "skipped" if status == "skipped" else "error"
+    row.update(status=status, status_detail=detail, wall_s=wall_s, parity_status=parity,
+               parity_detail=f"no parity: the point ended {status}")
+    return row
+
+
+def measured_row(point: Point, records: list[dict], wall_s: float, **ctx) -> dict:
+    row = base_row(point, **ctx)
+    records = sorted(records, key=lambda r: r["rank"])
+    peaks = [r["peak_bytes"] for r in records]
+    top = records[peaks.index(max(peaks))]
+    row.update(
+        status="ok", status_detail=_notes(records), wall_s=wall_s, num_params=records[0]["num_params"],
+        model_type=records[0]["model_type"], parity_mode=records[0]["parity_mode"],
+        peak_bytes=max(peaks), peak_bytes_per_rank=peaks,
+        **_per_rank(records, "reserved_bytes"), **_per_rank(records, "device_peak_bytes"),
+        **_per_rank(records, "rss_peak_bytes"),
+        alloc_retries=_max_or_none(r["alloc_retries"] for r in records),
+        params_bytes=top["params_bytes"], grads_bytes=top["grads_bytes"], optimizer_bytes=top["optimizer_bytes"],
+        activations_bytes=top["activations_bytes"], temporaries_bytes=top.get("temporaries_bytes"),
+        **_comm_columns(records),
+    )
+    if row["measurement"] == "projected":
+        row.update(parity_status="skipped", parity_detail="a projection computes no values: no parity")
+    else:
+        times = _time_columns(records, row["flops_per_step"], point, ctx["env"])
+        row.update(times)
+        if "mfu" in times and times["mfu"] is None:  # a CUDA row whose device has no known peak: say why
+            why = no_peak_reason(ctx["env"].get("device_name"), point.dtype)
+            row["status_detail"] = "; ".join(filter(None, [row["status_detail"], why]))
+        row.update(records[0].get("parity") or {"parity_status": "error", "parity_detail": "rank 0 sent no parity"})
+    budget = ctx.get("budget")
+    if budget is not None and row["peak_bytes"] > budget:
+        why = f"peak {row['peak_bytes']} bytes > memory budget {budget} bytes"
+        row.update(status="oom", status_detail="; ".join(filter(None, [why, row["status_detail"]])))
+    return row
+
+
+def _comm_columns(records: list[dict]) -> dict:
+    """Collectives of one step: the max over ranks per column (null where a record has none)."""
+    names = [k for k in records[0] if k.startswith("comm_")]
+    return {k: _max_or_none(r.get(k) for r in records) for k in names}
+
+
+def _notes(records: list[dict]) -> str | None:
+    """Why a measured column is null or partial (e.g. NVML unavailable), once per distinct message."""
+    notes = [f"rank {r['rank']}: {n}" if len(records) > 1 else n for r in records for n in r.get("notes", [])]
+    return "; ".join(dict.fromkeys(notes)) or None
+
+
+def _per_rank(records: list[dict], name: str) -> dict:
+    values = [r.get(name) for r in records]
+    if any(v is None for v in values):
+        return {name: None, f"{name}_per_rank": None}
+    return {name: max(values), f"{name}_per_rank": values}
+
+
+def _max_or_none(values):
+    values = [v for v in values if v is not None]
+    return max(values) if values else None
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated percentile (q in [0, 100]), as numpy's default."""
+    s = sorted(values)
+    pos = (len(s) - 1) * q / 100
+    lo, hi = int(pos), min(int(pos) + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def _time_columns(records: list[dict], flops: float, point: Point, env: dict) -> dict:
+    # the slowest rank of each step
+    per_step = [max(steps) for steps in zip(*(r["step_times_s"] for r in records), strict=True)]
+    if not per_step:
+        return {}
+    median = statistics.median(per_step)
+    tokens = point.seq_len * point.batch_size * _dp(point)
+    out = {"step_times_s": per_step, "step_time_median_s": median, "step_time_p10_s": percentile(per_step, 10),
+           "step_time_p90_s": percentile(per_step, 90), "tokens_per_s": tokens / median}
+    if point.device == "cuda":
+        per_device = flops / point.world_size / median
+        out["tflops_per_s"] = per_device / 1e12
+        peak = peak_flops(env.get("device_name"), point.dtype)
+        out["mfu"] = per_device / peak if peak else None
+    return out

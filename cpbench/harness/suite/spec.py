@@ -1,0 +1,237 @@
+"""Suites: a TOML file -> a validated `Suite` -> its `Point`s.
+
+A suite is one grid: every combination of `seq_lens` x `cp_sizes` x `attn_implementations` x `cp_styles`
+(at cp_size 1 the style is `none`, so styles collapse) with the fixed settings of the file. Everything that can
+be checked without launching is checked (checks.py), and each error names the field, the value and the fix.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import json
+import tomllib
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+from cpbench.report.schema import KEY_COLUMNS
+
+from cpbench.harness.suite.checks import NO_STYLE, SuiteErrors, err, validate
+
+
+@dataclass(frozen=True, kw_only=True)
+class Suite:
+    """One sweep definition. See suites/*.toml for the documented format."""
+
+    name: str
+    model: str
+    seq_lens: tuple[int, ...]
+    cp_sizes: tuple[int, ...] = (1, 2)
+    attn_implementations: tuple[str, ...] = ("sdpa",)
+    cp_styles: tuple[str, ...] = ("cp_ulysses",)
+    description: str = ""
+    model_overrides: dict = field(default_factory=dict)
+    world_size: int | None = None  # when set, fsdp_size = world_size / (cp_size * dp_replicate_size)
+    fsdp_size: int = 1
+    dp_replicate_size: int = 1
+    dtype: str = "float32"
+    device: str = "cpu"
+    batch_size: int = 1
+    batch_kind: str = "plain"
+    warmup_steps: int = 3  # tracked for memory: the smallest peak of identical steps counts (probes.py)
+    measured_steps: int = 3
+    keep_outputs: bool = False  # True: the step keeps the whole output (logits) through backward (step.py)
+    loss: str = "full"  # "chunked": the output projection and the loss chunk by chunk (cpbench.use_loss)
+    activation_checkpointing: bool = False  # recompute every decoder layer in backward (transformers' own)
+    # FSDP2's mixed precision: fp32 weights, gradients and optimizer state (the master copy), compute in `dtype`
+    # (bfloat16), gradients reduced in fp32 (transformers' `fsdp_mixed_precision`). Needs FSDP: world_size > 1.
+    mixed_precision: bool = False
+    parity: str = "auto"
+    # Where the parity reference runs: "unsharded" (rank 0 alone, the model on one device), "sharded" (every rank,
+    # FSDP over all of them, no CP, recompute on: for models larger than one device), "auto" (sharded when the
+    # parity mode resolves to projected, i.e. a large model, and the point has more than one rank).
+    reference: str = "auto"
+    timeout_s: float = 300.0
+    seed: int = 0
+    memory_budget: str | None = None
+    # point-id glob -> "crash" | "oom" | "hang", or {fault = "hang", timeout_s = 10} to give that point its own
+    # timeout (a hang costs its timeout; the other points keep the suite's). Only honoured when loaded with
+    # allow_faults=True (the test hook, `cpbench sweep --allow-faults`); a fault is recorded in the point's
+    # spec_json.
+    faults: dict = field(default_factory=dict)
+    # What runs: "model" (the training step) or "attention" (one causal attention op, forward + backward, with
+    # heads / kv heads / head dim of `model`), and which CP implementations (peers/registry.py) run it side by side.
+    level: str = "model"
+    implementations: tuple[str, ...] = ("cpbench",)
+    # cp_usp's Ulysses degree: the ranks of each Ulysses group; the ring runs over cp_size / degree groups. Only the
+    # cp_usp points of a cp size it divides use it (other styles and cp sizes keep 1).
+    cp_ulysses_degree: int = 2
+
+    def points(self) -> list["Point"]:
+        return expand(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Point:
+    suite: str
+    model: str  # the preset name, with overrides spelled out when there are any
+    preset: str
+    model_overrides: dict
+    seq_len: int
+    batch_size: int
+    batch_kind: str
+    cp_size: int
+    fsdp_size: int
+    dp_replicate_size: int
+    world_size: int
+    attn_implementation: str
+    cp_style: str
+    dtype: str
+    device: str
+    warmup_steps: int
+    measured_steps: int
+    keep_outputs: bool
+    loss_mode: str
+    activation_checkpointing: bool
+    mixed_precision: bool = False
+    parity_mode: str
+    reference: str = "auto"
+    timeout_s: float
+    seed: int
+    fault: str | None = None
+    level: str = "model"
+    implementation: str = "cpbench"
+    cp_ulysses_degree: int = 1
+
+    @property
+    def point_id(self) -> str:
+        style = self.cp_style + (f"-u{self.cp_ulysses_degree}" if self.cp_style == "cp_usp" else "")
+        parts = [self.model, f"s{self.seq_len}", f"cp{self.cp_size}", self.attn_implementation, style]
+        if self.fsdp_size > 1:
+            parts.append(f"fsdp{self.fsdp_size}")
+        if self.dp_replicate_size > 1:
+            parts.append(f"dpr{self.dp_replicate_size}")
+        if self.batch_size != 1 or self.batch_kind != "plain":
+            parts.append(f"b{self.batch_size}{self.batch_kind}")
+        if self.keep_outputs:
+            parts.append("keep-outputs")
+        if self.loss_mode != "full":
+            parts.append(f"{self.loss_mode}-loss")
+        if self.activation_checkpointing:
+            parts.append("recompute")
+        if self.mixed_precision:
+            parts.append("mixed-precision")
+        if self.level != "model":
+            parts.append(self.level)
+        if self.implementation != "cpbench":
+            parts.append(self.implementation)
+        return "/".join(parts) + (f"/{self.dtype}" if self.dtype != "float32" else "")
+
+    @property
+    def point_key(self) -> str:
+        return key_hash({c: getattr(self, c) for c in KEY_COLUMNS})
+
+    @property
+    def family_key(self) -> str:
+        """The point without its length: longer points of an out-of-memory family are skipped."""
+        return key_hash({c: getattr(self, c) for c in KEY_COLUMNS if c != "seq_len"})
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Point":
+        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
+
+
+def key_hash(values: dict) -> str:
+    return hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def load_suite(source: str | Path, *, text: str | None = None, allow_faults: bool = False) -> Suite:
+    """Reads and validates a suite file (or `text`, named `source`); every error of it is reported at once."""
+    try:
+        raw = tomllib.loads(text if text is not None else Path(source).read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"{source}: not valid TOML: {e} (fix the syntax at that line)") from None
+    errors = []
+    known = {f.name for f in fields(Suite)}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        errors.append(f"unknown suite fields {unknown}. Known fields: {sorted(known)}.")
+        raw = {k: v for k, v in raw.items() if k in known}
+    for name in ("seq_lens", "cp_sizes", "attn_implementations", "cp_styles", "implementations"):
+        if name in raw:
+            if not isinstance(raw[name], list) or not raw[name]:
+                errors.append(str(err(name, raw[name], "give a non-empty list, e.g. [1, 2] or [\"sdpa\"].")))
+                del raw[name]
+            else:
+                raw[name] = tuple(raw[name])
+    if "name" not in raw:
+        raw["name"] = Path(str(source)).stem
+    for name in ("model", "seq_lens"):
+        if name not in raw:
+            errors.append(f"suite field `{name}` is required (e.g. model = \"tiny-qwen3\", seq_lens = [2048]).")
+    if errors and ("model" not in raw or "seq_lens" not in raw):
+        raise SuiteErrors(source, errors)
+    suite = Suite(**raw)
+    try:
+        validate(suite, allow_faults=allow_faults, source=source)
+    except SuiteErrors as e:
+        raise SuiteErrors(source, errors + e.errors) from None
+    if errors:
+        raise SuiteErrors(source, errors)
+    return suite
+
+
+def expand(suite: Suite) -> list[Point]:
+    """The suite's points, grouped by world size, each configuration's lengths ascending."""
+    overrides = suite.model_overrides
+    model = suite.model + (json.dumps(overrides, sort_keys=True, separators=(",", ":")) if overrides else "")
+    seen, points = set(), []
+    for cp in sorted(suite.cp_sizes):
+        for attn in suite.attn_implementations:
+            for impl, style in _runs(suite, cp):
+                for seq_len in sorted(suite.seq_lens):
+                    p = _point(suite, model, cp, attn, style, seq_len, impl)
+                    if p.point_key not in seen:
+                        seen.add(p.point_key)
+                        points.append(p)
+    return sorted(points, key=lambda p: p.world_size)  # stable: keeps the order above within a world size
+
+
+def _runs(suite: Suite, cp: int) -> list[tuple[str, str]]:
+    """(implementation, style) pairs at one cp size: at cp 1 the unsharded op alone; above, every implementation
+    with each of the suite's styles it has at level "attention" (a peer without a style is not a point)."""
+    from cpbench.harness.peers.registry import CPBENCH, PEERS
+
+    if cp == 1:
+        return [(CPBENCH, NO_STYLE)]
+    return [(impl, style) for impl in suite.implementations for style in suite.cp_styles
+            if suite.level == "model" or impl not in PEERS or style in PEERS[impl].styles]
+
+
+def _point(suite: Suite, model: str, cp: int, attn: str, style: str, seq_len: int, impl: str = "cpbench") -> Point:
+    fsdp = suite.fsdp_size
+    world = cp * fsdp * suite.dp_replicate_size
+    if suite.world_size is not None:
+        fsdp = suite.world_size // (cp * suite.dp_replicate_size)
+        world = suite.world_size
+    p = Point(
+        suite=suite.name, model=model, preset=suite.model, model_overrides=dict(suite.model_overrides),
+        seq_len=seq_len, batch_size=suite.batch_size, batch_kind=suite.batch_kind, cp_size=cp, fsdp_size=fsdp,
+        dp_replicate_size=suite.dp_replicate_size, world_size=world, attn_implementation=attn, cp_style=style,
+        dtype=suite.dtype, device=suite.device, warmup_steps=suite.warmup_steps,
+        measured_steps=suite.measured_steps, keep_outputs=suite.keep_outputs, loss_mode=suite.loss,
+        activation_checkpointing=suite.activation_checkpointing, mixed_precision=suite.mixed_precision,
+        parity_mode=suite.parity, reference=suite.reference, timeout_s=float(suite.timeout_s),
+        seed=suite.seed, level=suite.level, implementation=impl,
+        cp_ulysses_degree=suite.cp_ulysses_degree if style == "cp_usp" else 1,
+    )
+    fault = next((f for pat, f in suite.faults.items() if fnmatch.fnmatchcase(p.point_id, pat)), None)
+    if not fault:
+        return p
+    if isinstance(fault, dict):
+        timeout = float(fault.get("timeout_s", p.timeout_s))
+        return Point(**{**p.to_dict(), "fault": fault["fault"], "timeout_s": timeout})
+    return Point(**{**p.to_dict(), "fault": fault})

@@ -1,0 +1,49 @@
+"""Finding a suite: `default` (embedded, also shipped as suites/default-cpu.toml), or a TOML file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from cpbench.harness.suite.spec import Suite, load_suite
+
+DEFAULT = "default"
+
+# The default CPU suite: cp 1/2 x eager/sdpa x the three styles x 2 lengths on a tiny Qwen3, 2 launches.
+# Kept byte-identical to suites/default-cpu.toml (a test checks it).
+DEFAULT_SUITE_TOML = """\
+# The default CPU suite: what `python -m cpbench sweep` runs with no argument (<= 3 minutes on 2 cores).
+# Two launches (world size 1, then 2); a style that is not registered yet is `skipped`, with why.
+name = "default-cpu"
+description = "tiny Qwen3 on CPU: cp 1/2 x eager/sdpa x cp_ulysses/cp_ring/cp_ring_zigzag x 2 lengths"
+model = "tiny-qwen3"
+seq_lens = [512, 2048]
+cp_sizes = [1, 2]
+attn_implementations = ["eager", "sdpa"]
+cp_styles = ["cp_ulysses", "cp_ring", "cp_ring_zigzag"]
+dtype = "float32"
+device = "cpu"
+batch_size = 1
+batch_kind = "plain"
+warmup_steps = 3
+measured_steps = 6
+parity = "full"
+timeout_s = 120
+seed = 0
+"""
+
+
+def resolve_suite(ref: str | Path | None, *, allow_faults: bool = False) -> Suite:
+    if ref is None or str(ref) == DEFAULT:
+        return load_suite("default-cpu.toml", text=DEFAULT_SUITE_TOML)
+    path = Path(ref)
+    if not path.exists():
+        raise ValueError(
+            f"suite {str(ref)!r} does not exist. Pass a suite file (e.g. suites/qwen3-0.6b-long.toml) or "
+            f"'{DEFAULT}' for the default CPU suite."
+        )
+    return load_suite(path, allow_faults=allow_faults)
+
+
+def suite_ref(ref: str | Path | None) -> str:
+    """What a worker process is told: 'default' or an absolute path."""
+    return DEFAULT if ref is None or str(ref) == DEFAULT else str(Path(ref).resolve())
