@@ -59,7 +59,8 @@ def _row(rng, backend, cp, style, seq_len, oom_cp1_at, steps, noise, run_id) -> 
             "fsdp_size": 1, "dp_replicate_size": 1, "attn_implementation": backend, "cp_style": style,
             "dtype": "float32", "device": "cpu", "keep_outputs": False,
             "loss_mode": "full", "activation_checkpointing": False, "mixed_precision": False,
-            "level": "model", "implementation": "cpbench", "cp_ulysses_degree": 1}
+            "level": "model", "implementation": "cpbench", "cp_ulysses_degree": 1, "recompute_every_n_layers": 1,
+            "offload_activations": False, "offload_params": False, "tiled_mlp": "off"}
     row = {name: None for name in ARROW_SCHEMA.names}
     row.update(spec)
     row.update(_identity(spec, run_id, steps))

@@ -9,6 +9,7 @@ from cpbench.cp.loss.causal_lm import cp_causal_lm_loss
 from cpbench.cp.plan import DEFAULT_BASE_MODEL_CP_PLAN, FAMILY_CP_PLANS, ResolvedPlan, resolve_plan
 from cpbench.cp.ring.attention import RING_IMPLEMENTATIONS, ring_attention
 from cpbench.cp.styles import STYLES, AttentionStyle, SplitStyle, register_attention_style
+from cpbench.cp.tiled_mlp import use_tiled_mlp
 from cpbench.cp.ulysses import check_ulysses, ulysses_attention
 from cpbench.cp.usp import check_usp, usp_attention
 
@@ -39,4 +40,5 @@ __all__ = [
     "register_attention_style",
     "resolve_plan",
     "use_loss",
+    "use_tiled_mlp",
 ]

@@ -23,6 +23,13 @@ Tested against transformers 5.23 (pinned in pyproject.toml). What cpbench relies
 5. Decoder layers are called as `layer(hidden_states, attention_mask=..., position_ids=...,
    position_embeddings=(cos, sin), **kwargs)` and pass `**kwargs` on to the attention interface; the split
    hook uses those names and passes the `SequenceLayout` along as `cp_layout`.
+6. `transformers.distributed.fsdp._get_fsdp_policy_kwargs`, which `apply_fsdp2` looks up as a module global:
+   `fsdp_cpu_offload` becomes FSDP2's `CPUOffloadPolicy()`, which pins host memory and so fails where no
+   accelerator exists. `install` wraps it (`fsdp_policy_kwargs`): without an accelerator the policy pins nothing,
+   so parameter offload runs (and moves nothing) on CPU.
+7. `transformers.modeling_utils.save_on_cpu`, which `activation_checkpointing_enable(offload=True)` calls as
+   `save_on_cpu(pin_memory=True, ...)`: pinning fails where no accelerator exists. `install` wraps it the same way
+   (`save_on_cpu_where_pinnable`), so activation offload runs on CPU too (where it copies to host what already is).
 """
 
 from __future__ import annotations
@@ -34,9 +41,11 @@ from collections.abc import Callable
 
 import torch
 from torch.distributed.fsdp import fully_shard
-from transformers.distributed.fsdp import _get_fsdp_policy_kwargs
+from torch.distributed.fsdp import CPUOffloadPolicy
+from transformers.distributed import fsdp as hf_fsdp
 from transformers.distributed.mixin import DistributedMixin
 from transformers.distributed.utils import _bind_local_device, _ensure_torch_distributed
+from transformers import modeling_utils
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 CP_ATTENTION_KEY = "cpbench_cp"
@@ -166,10 +175,26 @@ def tie_embedded_tail(model: torch.nn.Module, distributed_config, mesh_manager) 
     replicate = distributed_config.dp_replicate_size > 1
     mesh = mesh_manager.get_mesh(("dp_replicate", "fsdp") if replicate else "fsdp")
     fully_shard(list(tail.values()), mesh=mesh, reshard_after_forward=False,
-                **_get_fsdp_policy_kwargs(distributed_config))
+                **fsdp_policy_kwargs(distributed_config))
     full_plan = dict(model.fsdp_plan)
     model.fsdp_plan = {k: v for k, v in full_plan.items() if k not in tail}
     return full_plan
+
+
+def save_on_cpu_where_pinnable(pin_memory: bool = False, device_type: str = "cuda"):
+    """torch's `save_on_cpu`, pinning host memory only where an accelerator exists to pin it for."""
+    from torch.autograd.graph import save_on_cpu
+
+    return save_on_cpu(pin_memory=pin_memory and torch.accelerator.is_available(), device_type=device_type)
+
+
+def fsdp_policy_kwargs(distributed_config) -> dict:
+    """transformers' `fully_shard` policy kwargs, with a parameter offload that pins host memory only where an
+    accelerator exists (pinning needs one: `CPUOffloadPolicy()` fails on a CPU-only machine)."""
+    kwargs = _ORIGINAL.get("policy", hf_fsdp._get_fsdp_policy_kwargs)(distributed_config)
+    if "offload_policy" in kwargs and not torch.accelerator.is_available():
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
+    return kwargs
 
 
 @contextlib.contextmanager
@@ -204,6 +229,9 @@ def install(apply) -> None:
     if _ORIGINAL:
         return
 
+    _ORIGINAL["policy"] = hf_fsdp._get_fsdp_policy_kwargs
+    hf_fsdp._get_fsdp_policy_kwargs = fsdp_policy_kwargs
+    modeling_utils.save_on_cpu = save_on_cpu_where_pinnable
     _ORIGINAL["prepare"] = DistributedMixin.prepare_distribute_model.__func__
     _ORIGINAL["maybe"] = DistributedMixin.maybe_distribute_model.__func__
 

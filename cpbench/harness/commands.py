@@ -65,6 +65,15 @@ def register(subparsers) -> None:
     quick.add_argument("--batch-kind", default="plain", help="plain | packed | padded")
     quick.add_argument("--loss", default="full", help="full | chunked (the output projection and loss in chunks)")
     quick.add_argument("--recompute", action="store_true", help="activation checkpointing of every decoder layer")
+    quick.add_argument("--recompute-every", type=int, default=1, metavar="N",
+                       help="with --recompute: recompute every N-th decoder layer only (default 1: every layer)")
+    quick.add_argument("--offload-activations", action="store_true",
+                       help="with --recompute: the recompute checkpoints in pinned host memory")
+    quick.add_argument("--offload-params", action="store_true",
+                       help="FSDP2's CPU offload: parameters, gradients and optimizer state on the host")
+    quick.add_argument("--tiled-mlp", nargs="?", const="auto", default=None, metavar="TILES",
+                       help="each layer's MLP over tiles of the sequence: a tile count, or auto (the default when "
+                            "the flag is given alone: tiles whose largest intermediate stays within 1 GiB)")
     quick.add_argument("--mixed-precision", action="store_true",
                        help="FSDP2 mixed precision: fp32 master weights, bf16 compute (--dtype bfloat16)")
     quick.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
@@ -179,8 +188,11 @@ def _quick_suite(args):
               "cp_sizes": _ints("--cp", args.cp), "attn_implementations": _names(args.attn),
               "cp_styles": _names(args.styles), "dtype": args.dtype, "device": args.device,
               "batch_kind": args.batch_kind, "loss": args.loss, "activation_checkpointing": args.recompute,
-              "mixed_precision": args.mixed_precision,
+              "mixed_precision": args.mixed_precision, "recompute_every_n_layers": args.recompute_every,
+              "offload_activations": args.offload_activations, "offload_params": args.offload_params,
               "warmup_steps": 1, "measured_steps": 1}
+    if args.tiled_mlp is not None:
+        fields["tiled_mlp"] = "auto" if args.tiled_mlp == "auto" else _ints("--tiled-mlp", args.tiled_mlp)[0]
     if args.world_size is not None:
         fields["world_size"] = args.world_size
     text = "\n".join(f"{k} = {_toml(v)}" for k, v in fields.items())

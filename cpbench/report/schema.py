@@ -15,7 +15,7 @@ import pyarrow as pa
 # 3: a row is `measured` or `projected` (`measurement`); the step keeps only the loss through backward unless
 #    `keep_outputs`; the parity step is no longer tracked; `temporaries_bytes` and the collectives of one step
 #    (`comm_*`) are new.
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 MEASUREMENTS = ("measured", "projected")
 
 STATUSES = ("ok", "oom", "error", "timeout", "skipped")
@@ -52,6 +52,11 @@ COLUMNS: dict[str, tuple[pa.DataType, str]] = {
                   "no logits, so parity compares the loss and gradients)"),
     "activation_checkpointing": (pa.bool_(), "every decoder layer recomputed in backward"),
     "mixed_precision": (pa.bool_(), "FSDP2 mixed precision: fp32 master weights and reduction, compute in `dtype`"),
+    "recompute_every_n_layers": (pa.int32(), "with activation_checkpointing: every n-th decoder layer recomputed (the "
+                                 "others keep their activations); 1 otherwise"),
+    "offload_activations": (pa.bool_(), "the recompute checkpoints held in (pinned) host memory"),
+    "offload_params": (pa.bool_(), "FSDP2's CPUOffloadPolicy: parameters, gradients and optimizer state on the host"),
+    "tiled_mlp": (pa.string(), "each decoder layer's MLP over tiles of the sequence: off | auto | the tile count"),
     "cp_ulysses_degree": (pa.int32(), "cp_usp's Ulysses degree (ranks per Ulysses group; the ring spans cp_size / "
                           "degree groups); 1 for every other style"),
     "level": (pa.string(), "model (the training step) | attention (one causal attention op, forward + backward)"),
@@ -146,7 +151,8 @@ ARROW_SCHEMA = pa.schema(
 KEY_COLUMNS = (
     "model", "seq_len", "batch_size", "batch_kind", "cp_size", "fsdp_size", "dp_replicate_size",
     "attn_implementation", "cp_style", "dtype", "device", "keep_outputs", "loss_mode", "activation_checkpointing",
-    "mixed_precision", "level", "implementation", "cp_ulysses_degree",
+    "mixed_precision", "level", "implementation", "cp_ulysses_degree", "recompute_every_n_layers",
+    "offload_activations", "offload_params", "tiled_mlp",
 )
 
 

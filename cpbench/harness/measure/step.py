@@ -64,10 +64,18 @@ def build_reference_model(point: Point, device) -> torch.nn.Module:
 
 
 def distribute(model: torch.nn.Module, point: Point, mesh=None, kernel_device: str | None = None) -> torch.nn.Module:
-    """FSDP2 over fsdp x cp, the point's CP style and its loss. `mesh`: one built beforehand (a projection builds
+    """The point's levers (selective recompute, activation offload, the tiled MLP), FSDP2 over fsdp x cp (with
+    parameter offload), the point's CP style and its loss. `mesh`: one built beforehand (a projection builds
     it outside its fake-tensor mode); `kernel_device`: whose attention kernels CP picks (see DistributedConfig)."""
     import cpbench
 
+    if point.activation_checkpointing and (point.recompute_every_n_layers > 1 or point.offload_activations):
+        # transformers' own selective recompute and checkpoint offload (torch's save_on_cpu around checkpoint); the
+        # reference keeps plain recompute: the levers change where and when values live, never the values.
+        model.activation_checkpointing_enable(every_n_layers=point.recompute_every_n_layers,
+                                              offload=point.offload_activations)
+    if point.tiled_mlp != "off":
+        cpbench.use_tiled_mlp(model, "auto" if point.tiled_mlp == "auto" else int(point.tiled_mlp))
     if point.world_size > 1:
         model = _parallelize(model, point, mesh, kernel_device)
     return cpbench.use_loss(model, point.loss_mode) if point.loss_mode != "full" else model
@@ -80,6 +88,7 @@ def _parallelize(model, point: Point, mesh, kernel_device):
     config = cpbench.DistributedConfig(
         cp_size=point.cp_size, fsdp_size=point.fsdp_size, dp_replicate_size=point.dp_replicate_size, cp_plan=plan,
         cp_kernel_device=kernel_device, fsdp_mixed_precision=point.mixed_precision,
+        fsdp_cpu_offload=point.offload_params,
         cp_ulysses_degree=point.cp_ulysses_degree,
     )
     return cpbench.parallelize(model, config, mesh=mesh)

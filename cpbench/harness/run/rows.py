@@ -26,7 +26,8 @@ def base_row(point: Point, *, run_id: str, env: dict, budget: int | None, measur
         "suite", "model", "seq_len", "batch_size", "batch_kind", "cp_size", "fsdp_size", "dp_replicate_size",
         "world_size", "attn_implementation", "cp_style", "dtype", "device", "warmup_steps", "measured_steps",
         "keep_outputs", "loss_mode", "activation_checkpointing", "mixed_precision", "parity_mode", "level",
-        "implementation", "cp_ulysses_degree",
+        "implementation", "cp_ulysses_degree", "recompute_every_n_layers", "offload_activations", "offload_params",
+        "tiled_mlp",
     )}
     config = get_preset(point.preset).config(point.model_overrides)
     if point.level == "attention":
@@ -85,6 +86,11 @@ def measured_row(point: Point, records: list[dict], wall_s: float, **ctx) -> dic
         activations_bytes=top["activations_bytes"], temporaries_bytes=top.get("temporaries_bytes"),
         **_comm_columns(records),
     )
+    moved = [name for name, on in (("activations", point.offload_activations), ("parameters and optimizer state",
+                                    point.offload_params)) if on]
+    if moved and point.device == "cpu":  # the levers run, but host memory is where everything already lives
+        note = f"on CPU an offload moves nothing ({' and '.join(moved)} already live in host memory)"
+        row["status_detail"] = "; ".join(filter(None, [row["status_detail"], note]))
     if row["measurement"] == "projected":
         row.update(parity_status="skipped", parity_detail="a projection computes no values: no parity")
     else:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from cpbench.report.units import parse_bytes
 
-from cpbench.harness.suite import grid_checks
+from cpbench.harness.suite import grid_checks, levers
 from cpbench.harness.suite.grid_checks import BACKENDS, CUDA_ONLY_BACKENDS, DOCUMENTED_STYLES  # noqa: F401 - the allowed values
 from cpbench.harness.suite.presets import check_overrides, get_preset
 from cpbench.harness.suite.suite_errors import Collector, SuiteErrors, each, err  # noqa: F401 - spec and tests import them from here
@@ -46,7 +46,8 @@ def validate(suite, *, allow_faults: bool = False, source: str = "suite") -> Non
         found.run(_check_choice, name, getattr(suite, name), choices)
     for check in (_check_counts, grid_checks.check_lengths, grid_checks.check_cp_sizes, grid_checks.check_backends,
                   grid_checks.check_style_names, grid_checks.check_style_backends, grid_checks.check_world,
-                  _check_budget, _check_mixed_precision, _check_implementations):
+                  _check_budget, _check_mixed_precision, _check_implementations, levers.check_levers,
+                  levers.check_offload_world):
         found.run(check, suite)
     found.run(_check_faults, suite, allow_faults)
     if config is not None:
@@ -70,6 +71,7 @@ def _check_implementations(suite) -> None:
     if suite.level == "attention":
         model_only = {"batch_kind": ("plain", suite.batch_kind), "loss": ("full", suite.loss),
                       "activation_checkpointing": (False, suite.activation_checkpointing),
+                      "offload_params": (False, suite.offload_params), "tiled_mlp": (False, suite.tiled_mlp),
                       "mixed_precision": (False, suite.mixed_precision), "keep_outputs": (False, suite.keep_outputs),
                       "fsdp_size": (1, suite.fsdp_size), "dp_replicate_size": (1, suite.dp_replicate_size)}
         for name, (default, value) in model_only.items():

@@ -17,6 +17,7 @@ from pathlib import Path
 from cpbench.report.schema import KEY_COLUMNS
 
 from cpbench.harness.suite.checks import NO_STYLE, SuiteErrors, err, validate
+from cpbench.harness.suite.levers import tiled_mlp_tiles
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,6 +44,10 @@ class Suite:
     keep_outputs: bool = False  # True: the step keeps the whole output (logits) through backward (step.py)
     loss: str = "full"  # "chunked": the output projection and the loss chunk by chunk (cpbench.use_loss)
     activation_checkpointing: bool = False  # recompute every decoder layer in backward (transformers' own)
+    recompute_every_n_layers: int = 1  # with activation_checkpointing: recompute every n-th layer only
+    offload_activations: bool = False  # the recompute checkpoints in (pinned) host memory (transformers' offload)
+    offload_params: bool = False  # FSDP2's CPUOffloadPolicy: parameters, gradients, optimizer state on the host
+    tiled_mlp: bool | int | str = False  # true / "auto" / a tile count: each layer's MLP over tiles of the sequence
     # FSDP2's mixed precision: fp32 weights, gradients and optimizer state (the master copy), compute in `dtype`
     # (bfloat16), gradients reduced in fp32 (transformers' `fsdp_mixed_precision`). Needs FSDP: world_size > 1.
     mixed_precision: bool = False
@@ -93,6 +98,10 @@ class Point:
     keep_outputs: bool
     loss_mode: str
     activation_checkpointing: bool
+    recompute_every_n_layers: int = 1
+    offload_activations: bool = False
+    offload_params: bool = False
+    tiled_mlp: str = "off"  # "off", "auto" or a tile count
     mixed_precision: bool = False
     parity_mode: str
     reference: str = "auto"
@@ -118,7 +127,13 @@ class Point:
         if self.loss_mode != "full":
             parts.append(f"{self.loss_mode}-loss")
         if self.activation_checkpointing:
-            parts.append("recompute")
+            parts.append("recompute" + (f"{self.recompute_every_n_layers}" if self.recompute_every_n_layers > 1 else ""))
+        if self.offload_activations:
+            parts.append("offload-act")
+        if self.offload_params:
+            parts.append("offload-params")
+        if self.tiled_mlp != "off":
+            parts.append(f"tiled-mlp-{self.tiled_mlp}")
         if self.mixed_precision:
             parts.append("mixed-precision")
         if self.level != "model":
@@ -224,6 +239,9 @@ def _point(suite: Suite, model: str, cp: int, attn: str, style: str, seq_len: in
         dtype=suite.dtype, device=suite.device, warmup_steps=suite.warmup_steps,
         measured_steps=suite.measured_steps, keep_outputs=suite.keep_outputs, loss_mode=suite.loss,
         activation_checkpointing=suite.activation_checkpointing, mixed_precision=suite.mixed_precision,
+        recompute_every_n_layers=suite.recompute_every_n_layers if suite.activation_checkpointing else 1,
+        offload_activations=suite.offload_activations, offload_params=suite.offload_params and world > 1,
+        tiled_mlp=tiled_mlp_tiles(suite.tiled_mlp),
         parity_mode=suite.parity, reference=suite.reference, timeout_s=float(suite.timeout_s),
         seed=suite.seed, level=suite.level, implementation=impl,
         cp_ulysses_degree=suite.cp_ulysses_degree if style == "cp_usp" else 1,

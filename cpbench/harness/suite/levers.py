@@ -1,0 +1,54 @@
+"""The long-context levers of a suite, checked: recompute (every layer or every n-th), activation offload (the
+recompute checkpoints in host memory), parameter and optimizer offload (FSDP2's CPUOffloadPolicy) and the
+sequence-tiled MLP. Each error names the field, the value and the fix; every one is reported (suite_errors.py)."""
+
+from __future__ import annotations
+
+from cpbench.harness.suite.suite_errors import Collector, err
+
+TILED_MLP_AUTO = "auto"
+
+
+def tiled_mlp_tiles(value) -> str:
+    """A suite's `tiled_mlp` (false, true, "auto" or a tile count) as the point's column: "off", "auto" or the
+    count as a string ("8")."""
+    if value is True or value == TILED_MLP_AUTO:
+        return TILED_MLP_AUTO
+    if value is False or value in (0, 1):  # (True == 1 in Python: bools are settled above)
+        return "off"
+    return str(value)
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_levers(suite) -> None:
+    found = Collector()
+    every = suite.recompute_every_n_layers
+    if not _is_count(every) or every < 1:
+        found.errors.append(str(err("recompute_every_n_layers", every, "must be an integer >= 1: 1 recomputes every "
+                                    "decoder layer, n every n-th (the others keep their activations).")))
+    elif every != 1 and not suite.activation_checkpointing:
+        found.errors.append(str(err("recompute_every_n_layers", every, "chooses which layers recompute: set "
+                                    "activation_checkpointing = true, or drop it.")))
+    if not isinstance(suite.offload_activations, bool):
+        found.errors.append(str(err("offload_activations", suite.offload_activations, "must be true or false.")))
+    elif suite.offload_activations and not suite.activation_checkpointing:
+        found.errors.append(str(err("offload_activations", True, "holds the recompute checkpoints (each recomputed "
+                                    "layer's inputs) in host memory: set activation_checkpointing = true.")))
+    if not isinstance(suite.offload_params, bool):
+        found.errors.append(str(err("offload_params", suite.offload_params, "must be true or false.")))
+    tiles = suite.tiled_mlp
+    if not (isinstance(tiles, bool) or tiles == TILED_MLP_AUTO or (_is_count(tiles) and tiles >= 1)):
+        found.errors.append(str(err("tiled_mlp", tiles, "must be true, false, \"auto\" (tiles whose largest "
+                                    "intermediate stays within 1 GiB) or a tile count >= 1.")))
+    found.raise_any()
+
+
+def check_offload_world(suite) -> None:
+    """Parameter offload is FSDP2's: it needs a sharded model, i.e. more than one rank."""
+    if suite.offload_params is True and suite.world_size in (None, 1) and max(suite.cp_sizes) * suite.fsdp_size \
+            * suite.dp_replicate_size == 1:
+        raise err("offload_params", True, "offloads FSDP2's sharded parameters, gradients and optimizer state: it "
+                  "needs more than one rank (cp_sizes above 1, or fsdp_size / world_size).")

@@ -1,0 +1,102 @@
+"""The long-context levers with every CP style, against the unsharded run of the same weights (fp32, gloo):
+
+- the sequence-tiled MLP (`cpbench.use_tiled_mlp(model, tiles)`);
+- selective recompute with activation offload (`model.activation_checkpointing_enable(every_n_layers=2,
+  offload=True)`, transformers' own: torch's save_on_cpu around checkpoint);
+- parameter and optimizer offload (`DistributedConfig(fsdp_cpu_offload=True)`, FSDP2's CPUOffloadPolicy; on CPU it
+  pins nothing, see cpbench/cp/hf_compat.py), with an optimizer step;
+- all of them together with the chunked loss.
+
+Each alone and all together, with cp_ulysses, cp_ring and cp_ring_zigzag at cp 2 (a 4-layer tiny Qwen3, and all
+levers on a realistic-width Llama: hidden 512, head dim 64, intermediate 2048), and cp_usp (2 x 2) on 4 ranks: the
+loss, the logits where the loss keeps them, and every gradient. On CPU an offload moves nothing (host memory is
+where everything lives), so these hold the levers' composition with CP exact, not their memory.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.dist.models import GRAD_RTOL, LOGITS_ATOL, LOSS_RTOL
+
+LEVERS = ("tiled_mlp", "offload_activations", "offload_params", "all")
+STYLES = ("cp_ulysses", "cp_ring", "cp_ring_zigzag")
+
+
+def _load(path: str, style: str, lever: str, cp: int):
+    from transformers import AutoModelForCausalLM
+
+    import cpbench
+
+    config = cpbench.DistributedConfig(
+        cp_size=cp, cp_plan={"model.layers.*.self_attn": style}, fsdp_cpu_offload=lever in ("offload_params", "all"),
+        cp_ulysses_degree=2 if style == "cp_usp" else None)
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa", dtype=torch.float32,
+                                                 distributed_config=config)
+    if lever in ("offload_activations", "all"):
+        model.activation_checkpointing_enable(every_n_layers=2, offload=True)
+    if lever in ("tiled_mlp", "all"):
+        cpbench.use_tiled_mlp(model, 3)
+    if lever == "all":
+        cpbench.use_loss(model, "chunked")
+    return model
+
+
+def _errors(model, batch: dict, ref: dict) -> dict:
+    import cpbench
+    from tests.dist.models import full_grads, worst_grad_error
+
+    model.train()
+    out = model(**batch)
+    out.loss.backward()
+    grad, where = worst_grad_error(full_grads(model), ref["grads"])
+    logits = None
+    if out.logits is not None:
+        layout = model.cp_layout(batch["input_ids"].shape[1])
+        logits = (cpbench.gather_sequence(out.logits.detach(), layout, model.cp_group) - ref["logits"]).abs().max()
+    torch.optim.AdamW(model.parameters(), lr=1e-3).step()  # offloaded parameters step on the host
+    return {"loss": abs(out.loss.item() - ref["loss"].item()) / abs(ref["loss"].item()),
+            "logits": None if logits is None else logits.item(), "grad": grad, "grad_where": where,
+            "param_device": next(model.parameters()).device.type}
+
+
+def levers_worker(paths: dict, cases: list[tuple[str, str, str]], cp: int) -> dict:
+    from tests.dist.models import make_batch, reference
+
+    results, refs = {}, {}
+    for name, style, lever in cases:
+        batch = make_batch("packed", seq_len=24)
+        if name not in refs:
+            refs[name] = reference(paths[name], batch, "sdpa")
+        results[(name, style, lever)] = _errors(_load(paths[name], style, lever, cp), batch, refs[name])
+    return results
+
+
+CASES = {2: [("tiny", style, lever) for style in STYLES for lever in LEVERS]
+         + [("wide", style, "all") for style in ("cp_ulysses", "cp_ring_zigzag")],
+         4: [("tiny", "cp_usp", lever) for lever in ("tiled_mlp", "all")]}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    from tests.dist.models import save_tiny
+    from tests.spawn import run_ranks
+
+    root = tmp_path_factory.mktemp("levers")
+    paths = {"tiny": save_tiny("qwen3", root / "tiny", num_hidden_layers=4),
+             "wide": save_tiny("llama", root / "wide", hidden_size=512, intermediate_size=2048,
+                               num_attention_heads=8, num_key_value_heads=2)}
+    return {cp: run_ranks(levers_worker, cp, paths, cases, cp, timeout=300) for cp, cases in CASES.items()}
+
+
+@pytest.mark.parametrize("cp,name,style,lever", [(cp, *case) for cp, cases in CASES.items() for case in cases])
+def test_a_lever_keeps_the_unsharded_loss_and_gradients(results, cp, name, style, lever):
+    for rank, per_rank in enumerate(results[cp]):
+        errs = per_rank[(name, style, lever)]
+        assert errs["loss"] <= LOSS_RTOL, f"rank {rank}: loss relative error {errs['loss']:.3g}"
+        assert errs["grad"] <= GRAD_RTOL, f"rank {rank}: gradient error {errs['grad']:.3g} in {errs['grad_where']}"
+        if lever == "all":
+            assert errs["logits"] is None  # the chunked loss never makes the logits
+        else:
+            assert errs["logits"] <= LOGITS_ATOL, f"rank {rank}: logits error {errs['logits']:.3g}"

@@ -1,0 +1,47 @@
+"""The long-context levers as suite fields (cpbench/harness/suite/levers.py): what a point carries, how it is named,
+and every wrong value refused with its field, value and fix, all at once."""
+
+from __future__ import annotations
+
+import pytest
+
+from cpbench.harness.suite.spec import load_suite
+from cpbench.harness.suite.suite_errors import SuiteErrors
+
+BASE = 'model = "tiny-qwen3"\nseq_lens = [256]\ncp_sizes = [1, 2]\n'
+
+
+def _suite(extra: str):
+    return load_suite("t.toml", text=BASE + extra)
+
+
+def test_levers_reach_the_points_and_their_names():
+    points = _suite("activation_checkpointing = true\nrecompute_every_n_layers = 2\noffload_activations = true\n"
+                    "offload_params = true\ntiled_mlp = 4\n").points()
+    cp1, cp2 = points
+    assert (cp2.recompute_every_n_layers, cp2.offload_activations, cp2.offload_params, cp2.tiled_mlp) == (
+        2, True, True, "4")
+    assert cp1.offload_params is False  # one rank: no FSDP to offload
+    assert cp2.point_id.endswith("/recompute2/offload-act/offload-params/tiled-mlp-4")
+    assert cp1.point_key != _suite("activation_checkpointing = true\n").points()[0].point_key  # a key column
+
+
+@pytest.mark.parametrize("value,column", [("true", "auto"), ('"auto"', "auto"), ("false", "off"), ("1", "off"),
+                                          ("8", "8")])
+def test_tiled_mlp_values(value, column):
+    assert _suite(f"tiled_mlp = {value}\n").points()[0].tiled_mlp == column
+
+
+def test_every_wrong_lever_is_reported_at_once():
+    with pytest.raises(SuiteErrors) as e:
+        _suite('recompute_every_n_layers = 2\noffload_activations = true\ntiled_mlp = "many"\noffload_params = 1\n')
+    text = str(e.value)
+    for needle in ("`recompute_every_n_layers` = 2", "set activation_checkpointing = true, or drop it",
+                   "`offload_activations` = True", "holds the recompute checkpoints",
+                   "`tiled_mlp` = 'many'", "\"auto\"", "`offload_params` = 1", "must be true or false"):
+        assert needle in text, (needle, text)
+
+
+def test_parameter_offload_needs_more_than_one_rank():
+    with pytest.raises(SuiteErrors, match="`offload_params` = True.*needs more than one rank"):
+        load_suite("t.toml", text='model = "tiny-qwen3"\nseq_lens = [256]\ncp_sizes = [1]\noffload_params = true\n')
