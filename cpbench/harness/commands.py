@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from pathlib import Path
@@ -184,7 +185,11 @@ def _quick_suite(args):
         return args.suite
     if args.model is None or args.seq is None:
         raise ValueError("give a suite file, or --model and --seq (e.g. --model qwen3-0.6b --seq 16384,32768)")
-    fields = {"name": f"estimate-{args.model}", "model": args.model, "seq_lens": _ints("--seq", args.seq),
+    # The run's name from the model's last path component: a path or hub id given as --model is not a name.
+    given = Path(args.model.rstrip("/"))
+    given = given.parent if given.name == "config.json" else given
+    short = re.sub(r"[^A-Za-z0-9._-]+", "-", given.name).strip("-") or "model"
+    fields = {"name": f"estimate-{short}", "model": args.model, "seq_lens": _ints("--seq", args.seq),
               "cp_sizes": _ints("--cp", args.cp), "attn_implementations": _names(args.attn),
               "cp_styles": _names(args.styles), "dtype": args.dtype, "device": args.device,
               "batch_kind": args.batch_kind, "loss": args.loss, "activation_checkpointing": args.recompute,

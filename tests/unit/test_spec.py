@@ -50,7 +50,9 @@ def test_world_size_makes_fsdp_fill_the_rest():
 
 def test_overrides_name_the_model():
     p = _load(BASE + "model_overrides = {num_hidden_layers = 1}\n").points()[0]
-    assert p.model == 'tiny-qwen3{"num_hidden_layers":1}' and p.preset == "tiny-qwen3"
+    other = _load(BASE + "model_overrides = {num_hidden_layers = 3}\n").points()[0]
+    assert p.model.startswith("tiny-qwen3+") and len(p.model) == len("tiny-qwen3+") + 6 and p.preset == "tiny-qwen3"
+    assert other.model != p.model and other.point_key != p.point_key  # other overrides, another point
 
 
 @pytest.mark.parametrize("text,field,fix", [

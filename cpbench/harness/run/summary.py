@@ -3,11 +3,30 @@ Numbers are rendered by `cpbench.report.units`, the one place that turns bytes a
 
 from __future__ import annotations
 
+import json
+
 from cpbench.report.units import human_bytes, ms, sig
 
 
+def overrides_lines(df) -> list[str]:
+    """Each model's overrides, once (a point's model names them by a short hash: `qwen3-0.6b+3f2a1c`)."""
+    seen = {}
+    for r in df.to_dict("records"):
+        spec = json.loads(r.get("spec_json") or "{}")
+        if spec.get("model_overrides"):
+            seen[r["model"]] = json.dumps(spec["model_overrides"], sort_keys=True)
+    return [f"{model}: model_overrides = {text}" for model, text in sorted(seen.items())]
+
+
 def summary_table(df) -> str:
-    """One line per point: what fits, how fast, and whether it matches the unsharded run."""
+    """One line per point: what fits, how fast, and whether it matches the unsharded run; each model's overrides
+    listed once above it."""
+    notes = "\n".join(overrides_lines(df)) if len(df) and "spec_json" in df else ""
+    table = _table(df)
+    return f"{notes}\n{table}" if notes else table
+
+
+def _table(df) -> str:
     if len(df) and "measurement" in df and (df["measurement"] == "projected").all():
         return projected_table(df)
     header = ["point", "status", "peak/rank", "activations", "RSS", "step (p50)", "tok/s", "parity"]

@@ -7,11 +7,16 @@ random, which is all a memory/speed/parity benchmark needs.
 
 from __future__ import annotations
 
+import functools
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen3Config
+from transformers import AutoConfig
 
-_FAMILIES = {"qwen3": Qwen3Config, "llama": LlamaConfig, "mistral": MistralConfig, "gemma3_text": Gemma3TextConfig}
+# Keys of a saved config.json that describe the file, not the model.
+_META_KEYS = ("architectures", "transformers_version", "_name_or_path", "torch_dtype", "dtype", "model_type",
+              "auto_map", "_attn_implementation_autoset", "use_cache")
 
 
 @dataclass(frozen=True)
@@ -23,7 +28,10 @@ class Preset:
 
     def config(self, overrides: dict | None = None):
         """The transformers config with `overrides` applied (unknown keys are refused by `check_overrides`)."""
-        return _FAMILIES[self.family](**{**self.values, **(overrides or {})})
+        try:
+            return AutoConfig.for_model(self.family, **{**self.values, **(overrides or {})})
+        except Exception as e:  # noqa: BLE001 - transformers' own validation errors are not all ValueErrors
+            raise ValueError(f"`model = {self.name!r}` with model_overrides {overrides or {}}: {e}") from None
 
 
 _TINY = dict(
@@ -70,6 +78,21 @@ PRESETS: dict[str, Preset] = {
             "sweeps; RoPE scaling is irrelevant to memory and speed)",
         ),
         Preset(
+            "qwen3-8b", "qwen3",
+            dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                 rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=False),
+            "Qwen/Qwen3-8B config.json",
+        ),
+        Preset(
+            "llama-3.1-70b", "llama",
+            dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                 num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=131072,
+                 rope_theta=500_000.0, rms_norm_eps=1e-5, tie_word_embeddings=False),
+            "meta-llama/Llama-3.1-70B config.json (its llama3 RoPE scaling left out: irrelevant to memory and "
+            "speed)",
+        ),
+        Preset(
             "mistral-7b", "mistral",
             dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                  num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=32768,
@@ -89,21 +112,84 @@ PRESETS: dict[str, Preset] = {
 
 
 def get_preset(name: str) -> Preset:
-    if name not in PRESETS:
+    """A preset by name, or the user's own model: a path to a Hugging Face `config.json`, a directory holding one,
+    or a hub id whose config is already in the local Hugging Face cache (nothing is downloaded)."""
+    if name in PRESETS:
+        return PRESETS[name]
+    return _own_model(name)
+
+
+@functools.lru_cache(maxsize=64)
+def _own_model(name: str) -> Preset:
+    path = Path(name).expanduser()
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file() and (name.endswith(".json") or name.startswith(("/", ".", "~"))):
+        raise ValueError(f"`model = {name!r}`: no config.json there. Give a preset ({sorted(PRESETS)}), a path to a "
+                         "config.json, a directory holding one, or a hub id whose config is in the local HF cache.")
+    raw = json.loads(path.read_text()) if path.is_file() else _cached_hub_config(name)
+    if "model_type" not in raw:
+        raise ValueError(f"`model = {name!r}`: {path} has no `model_type`: it is not a transformers config.json.")
+    _check_family(raw, name)
+    values = {k: v for k, v in raw.items() if k not in _META_KEYS}
+    if len(set(values.get("layer_types") or ["mixed", "types"])) == 1:
+        del values["layer_types"]  # one type for every layer: derived, and it would pin num_hidden_layers
+    short = path.parent.name if path.is_file() else name.rsplit("/", 1)[-1]
+    return Preset(short or raw["model_type"], raw["model_type"], values, f"{name} (the user's config)")
+
+
+def _cached_hub_config(name: str) -> dict:
+    try:
+        config = AutoConfig.from_pretrained(name, local_files_only=True)
+    except (OSError, ValueError):
         raise ValueError(
-            f"`model = {name!r}` is not a cpbench preset. Use one of {sorted(PRESETS)}, or add a Preset to "
-            "cpbench/harness/suite/presets.py."
+            f"`model = {name!r}` is not a cpbench preset. Use one of {sorted(PRESETS)}, a path to a config.json or a "
+            "directory holding one (none exists there), or a hub id whose config is in the local Hugging Face cache "
+            f"(none is for this one, and cpbench never downloads: fetch it where there is network with `hf download "
+            f"{name} config.json`, or add a Preset to cpbench/harness/suite/presets.py)."
+        ) from None
+    return config.to_dict()
+
+
+def _check_family(raw: dict, name: str) -> None:
+    """Decoder-only causal LMs whose family has a default CP plan; the rest refused, saying why and what to do."""
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    )
+
+    from cpbench.cp.plan import FAMILY_CP_PLANS, refusal_reason
+
+    family = raw["model_type"]
+    if "vision_config" in raw or "audio_config" in raw or "text_config" in raw:
+        raise ValueError(f"`model = {name!r}` is a multimodal config ({family}): cpbench measures the training step "
+                         "of a decoder-only language model. Give its text model's config (`text_config`) instead.")
+    if family in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not raw.get("is_decoder"):
+        raise ValueError(f"`model = {name!r}` ({family}) is an encoder: its attention is bidirectional and it has no "
+                         "causal-LM training step; cpbench measures decoder-only causal language models.")
+    if raw.get("is_encoder_decoder") or family not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ValueError(f"`model = {name!r}` ({family}) is not a decoder-only causal LM: context parallelism here "
+                         "cuts the sequence of a causal language model's decoder layers (AutoModelForCausalLM).")
+    why = refusal_reason(family)
+    if why is not None:
+        raise ValueError(f"`model = {name!r}` ({family}) cannot be context-parallel: {why}.")
+    if family not in FAMILY_CP_PLANS and not raw.get("base_model_cp_plan"):
+        raise ValueError(
+            f"`model = {name!r}`: the {family} family has no default CP plan (cpbench has them for "
+            f"{sorted(FAMILY_CP_PLANS)}). In a training loop, pass `DistributedConfig(cp_plan=...)` checked against "
+            "its modeling code; suites take the families with a default plan, or a config carrying "
+            "`base_model_cp_plan`."
         )
-    return PRESETS[name]
 
 
 def check_overrides(preset: Preset, overrides: dict) -> None:
     """Refuses override keys the family's config does not know (a typo would otherwise be silently kept)."""
-    known = set(_FAMILIES[preset.family]().to_dict())
+    config_class = type(AutoConfig.for_model(preset.family))
+    known = set(config_class().to_dict())
     unknown = sorted(set(overrides) - known - set(preset.values))
     if unknown:
         raise ValueError(
-            f"`model_overrides` has keys {unknown} that {_FAMILIES[preset.family].__name__} does not know. "
+            f"`model_overrides` has keys {unknown} that {config_class.__name__} does not know. "
             f"Fix the spelling or remove them (e.g. num_hidden_layers, hidden_size, sliding_window)."
         )
 

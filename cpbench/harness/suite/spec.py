@@ -199,10 +199,20 @@ def load_suite(source: str | Path, *, text: str | None = None, allow_faults: boo
     return suite
 
 
+def model_name(model: str, overrides: dict) -> str:
+    """A point's model, readable: the preset's (or the user's config's) short name, and with overrides a short hash
+    of them, so that points of other overrides never share a key (the summary lists the overrides once)."""
+    from cpbench.harness.suite.presets import get_preset
+
+    name = get_preset(model).name
+    if not overrides:
+        return name
+    return f"{name}+{key_hash(overrides)[:6]}"
+
+
 def expand(suite: Suite) -> list[Point]:
     """The suite's points, grouped by world size, each configuration's lengths ascending."""
-    overrides = suite.model_overrides
-    model = suite.model + (json.dumps(overrides, sort_keys=True, separators=(",", ":")) if overrides else "")
+    model = model_name(suite.model, suite.model_overrides)
     seen, points = set(), []
     for cp in sorted(suite.cp_sizes):
         for attn in suite.attn_implementations:

@@ -1,0 +1,64 @@
+"""`model` as the user's own model: a path to a Hugging Face config.json, a directory holding one, or a hub id whose
+config is in the local cache; the new presets; refusals that say what to do; readable point names."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from transformers import BertConfig, LlavaConfig, Phi3Config, Qwen3Config, T5Config
+
+from cpbench.harness.suite.presets import PRESETS, get_preset
+from cpbench.harness.suite.spec import load_suite
+from cpbench.harness.suite.suite_errors import SuiteErrors
+
+TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8)
+
+
+def _suite(model: str):
+    return load_suite("t.toml", text=f'model = "{model}"\nseq_lens = [64]\ncp_sizes = [1, 2]\n')
+
+
+def test_a_config_file_or_its_directory_is_a_model(tmp_path):
+    Qwen3Config(**TINY).save_pretrained(tmp_path / "my-qwen")
+    for model in (tmp_path / "my-qwen", tmp_path / "my-qwen" / "config.json"):
+        points = _suite(str(model)).points()
+        assert [p.model for p in points] == ["my-qwen", "my-qwen"]  # the directory's name, not the path
+        assert all(p.point_id.startswith("my-qwen/s64/") for p in points)
+        config = get_preset(str(model)).config()
+        assert type(config) is Qwen3Config and config.hidden_size == 32 and config.num_key_value_heads == 2
+
+
+@pytest.mark.parametrize("config,why", [
+    (BertConfig(), "is an encoder"),
+    (T5Config(), "not a decoder-only causal LM"),
+    (LlavaConfig(), "is a multimodal config"),
+    (Phi3Config(), "has no default CP plan.*DistributedConfig\\(cp_plan=...\\)"),
+])
+def test_configs_cpbench_cannot_run_are_refused_saying_why(tmp_path, config, why):
+    config.save_pretrained(tmp_path / "m")
+    with pytest.raises(SuiteErrors, match=why):
+        _suite(str(tmp_path / "m"))
+
+
+def test_an_unknown_name_says_what_model_may_be_and_never_downloads():
+    with pytest.raises(SuiteErrors) as e:
+        _suite("some-org/not-a-cached-model")
+    text = str(e.value)
+    assert "Use one of" in text and "config.json" in text and "local Hugging Face cache" in text
+    assert "suite name" not in text and text.count("`model`") + text.count("model =") >= 1
+
+
+def test_a_file_without_model_type_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 8}))
+    with pytest.raises(SuiteErrors, match="has no `model_type`"):
+        _suite(str(tmp_path))
+
+
+def test_the_new_presets_have_their_published_sizes():
+    qwen, llama = PRESETS["qwen3-8b"].config(), PRESETS["llama-3.1-70b"].config()
+    assert (qwen.hidden_size, qwen.num_hidden_layers, qwen.intermediate_size, qwen.num_key_value_heads) == (
+        4096, 36, 12288, 8)
+    assert (llama.hidden_size, llama.num_hidden_layers, llama.intermediate_size, llama.num_attention_heads) == (
+        8192, 80, 28672, 64)
