@@ -15,9 +15,9 @@ import torch.distributed as dist
 
 from cpbench.cp import hf_compat
 from cpbench.cp.config import DistributedConfig
-from cpbench.cp.loss.chunked import check_loss
 from cpbench.cp.forward import ForwardState, refuse_generate, wrap_forward
 from cpbench.cp.layout import SequenceLayout
+from cpbench.cp.loss.chunked import check_loss
 from cpbench.cp.mesh import CPDeviceMesh, build_mesh
 from cpbench.cp.plan import ResolvedPlan, attention_style, default_cp_plan, merge_plan, refusal_reason, resolve_plan
 from cpbench.cp.split import RotaryCuts, make_split_hook

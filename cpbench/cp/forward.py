@@ -13,9 +13,9 @@ import functools
 import inspect
 
 from cpbench.cp.batch_mask import BatchFacts
-from cpbench.cp.loss.chunked import HeadInput
 from cpbench.cp.layout import SequenceLayout
 from cpbench.cp.loss.causal_lm import cp_causal_lm_loss, shift_and_cut_labels, whole_sequence_mean
+from cpbench.cp.loss.chunked import HeadInput
 
 
 class ForwardState:

@@ -40,12 +40,11 @@ import sys
 from collections.abc import Callable
 
 import torch
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.fsdp import CPUOffloadPolicy
+from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+from transformers import modeling_utils
 from transformers.distributed import fsdp as hf_fsdp
 from transformers.distributed.mixin import DistributedMixin
 from transformers.distributed.utils import _bind_local_device, _ensure_torch_distributed
-from transformers import modeling_utils
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 CP_ATTENTION_KEY = "cpbench_cp"

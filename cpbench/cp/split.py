@@ -10,6 +10,7 @@ stay whole.
 from __future__ import annotations
 
 import weakref
+
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 

@@ -126,10 +126,9 @@ def _cluster(args):
 
 
 def sweep_command(args) -> int:
-    from cpbench.report import store
-
     from cpbench.harness.run.summary import summary_table
     from cpbench.harness.run.sweep import failures, run_sweep
+    from cpbench.report import store
 
     t0 = time.perf_counter()
     try:
@@ -160,10 +159,9 @@ def run_command(args) -> int:
 
 
 def sweep_command_for(args) -> int:
-    from cpbench.report import store
-
     from cpbench.harness.run.summary import summary_table
     from cpbench.harness.run.sweep import failures, run_sweep
+    from cpbench.report import store
 
     try:
         run_dir = run_sweep(_options(args, only=args.points))
@@ -239,11 +237,10 @@ def _toml(value) -> str:
 
 
 def estimate_command(args) -> int:
-    from cpbench.report import store
-    from cpbench.report.derive import largest_fit
-
     from cpbench.harness.project.estimate import EstimateOptions, run_estimate
     from cpbench.harness.run.summary import summary_table
+    from cpbench.report import store
+    from cpbench.report.derive import largest_fit
 
     t0 = time.perf_counter()
     try:

@@ -8,7 +8,6 @@ import torch
 import torch.distributed as dist
 
 from cpbench.harness.project import projection
-
 from cpbench.harness.run import worker
 from cpbench.harness.suite.spec import Point
 

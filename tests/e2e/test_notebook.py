@@ -3,9 +3,8 @@
 from pathlib import Path
 
 import nbformat
-from nbclient import NotebookClient
-
 import pytest
+from nbclient import NotebookClient
 
 from tests.report_fixtures import make_run, projected, write_run
 

@@ -24,8 +24,20 @@ from __future__ import annotations
 
 import torch
 
-from ._common import (INF, Undefined, attention_grads, check, emulated, expect, kv_grads, repeat_kv, scores,
-                      softmax, storage_read, unwritten)
+from ._common import (
+    INF,
+    Undefined,
+    attention_grads,
+    check,
+    emulated,
+    expect,
+    kv_grads,
+    repeat_kv,
+    scores,
+    softmax,
+    storage_read,
+    unwritten,
+)
 
 HEAD_MULT8 = {True: "head_size must be a multiple of 8, this is ensured by padding!",
               False: "query, key, value, and out_ must have a head_size that is a multiple of 8"}

@@ -30,8 +30,20 @@ import math
 
 import torch
 
-from ._common import (INF, Contract, Undefined, aligned, attention_grads, bind, check, emulated, expect, scores,
-                      softmax, storage_read)
+from ._common import (
+    INF,
+    Contract,
+    Undefined,
+    aligned,
+    attention_grads,
+    bind,
+    check,
+    emulated,
+    expect,
+    scores,
+    softmax,
+    storage_read,
+)
 
 ATEN = torch.ops.aten
 KF, KB = "mem_eff_attention/kernel_forward.h (2.13.0)", "mem_eff_attention/kernel_backward.h (2.13.0)"

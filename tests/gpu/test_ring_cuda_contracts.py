@@ -17,7 +17,7 @@ import torch
 
 from cpbench.cp.ring.cuda import CudaSdpaKernel
 from cpbench.cp.ring.kernels import TorchKernel, acc_dtype
-from cpbench.cp.ring.masks import CAUSAL, DENSE, build_ring_masks, TileMask
+from cpbench.cp.ring.masks import CAUSAL, DENSE, TileMask, build_ring_masks
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cpbench.cp.loss.chunked import chunked_cross_entropy_sum, check_loss
+from cpbench.cp.loss.chunked import check_loss, chunked_cross_entropy_sum
 
 
 def full_sum(hidden, weight, targets, softcap=None):

@@ -43,10 +43,11 @@ def test_a_model_without_cp_is_bit_for_bit_the_same_with_cpbench_imported(tmp_pa
 
 
 def test_no_wrapper_is_left_on_a_model_loaded_without_cp(tmp_path):
+    from transformers import AutoModelForCausalLM
+
     import cpbench  # noqa: F401
     from cpbench.cp.hf_compat import AttentionConfigView
     from tests.dist.models import save_tiny
-    from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(save_tiny("llama", tmp_path / "m"), attn_implementation="sdpa")
     assert model.forward.__func__ is type(model).forward  # the class's own forward, not a wrapper

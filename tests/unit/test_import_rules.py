@@ -164,13 +164,15 @@ def module_name_in(root: Path, path: Path) -> str:
 def test_a_circle_is_found_even_through_a_lazy_import(tmp_path, lazy):
     body = "def f():\n    from . import b\n" if lazy else "from . import b\n"
     known = _tree(tmp_path, {"cpbench/__init__.py": "", "cpbench/cp/__init__.py": "", "cpbench/cp/a.py": body,
-                             "cpbench/cp/b.py": "from cpbench.cp.a import f\n", "cpbench/cp/c.py": "from .a import f\n"})
+                             "cpbench/cp/b.py": "from cpbench.cp.a import f\n",
+                             "cpbench/cp/c.py": "from .a import f\n"})
     assert cycles(import_graph(known)) == [["cpbench.cp.a", "cpbench.cp.b"]]
 
 
 def test_a_crossed_rule_is_found(tmp_path):
     known = _tree(tmp_path, {"cpbench/__init__.py": "", "cpbench/cp/__init__.py": "",
-                             "cpbench/cp/ring/__init__.py": "", "cpbench/cp/ring/x.py": "from cpbench.cp import apply\n",
+                             "cpbench/cp/ring/__init__.py": "",
+                             "cpbench/cp/ring/x.py": "from cpbench.cp import apply\n",
                              "cpbench/cp/apply.py": "", "cpbench/harness/__init__.py": "",
                              "cpbench/harness/measure/__init__.py": "",
                              "cpbench/harness/measure/step.py": "from ..run import worker\n",

@@ -79,9 +79,10 @@ def test_the_sweep_skips_liger_points_it_cannot_run_and_says_why():
 
 
 def test_use_loss_liger_on_a_model_gives_its_own_loss_without_logits(fake_liger):
+    from transformers import AutoModelForCausalLM
+
     import cpbench
     from tests.dist.models import make_batch, tiny_config
-    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_config("qwen3"), dtype=torch.float64)

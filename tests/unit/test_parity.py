@@ -9,13 +9,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from cpbench.harness.measure import parity
-
-from cpbench.harness.suite import presets
-
-from cpbench.harness.measure import reference
-
+from cpbench.harness.measure import parity, reference
 from cpbench.harness.run import worker
+from cpbench.harness.suite import presets
 from cpbench.harness.suite.spec import load_suite
 
 SUITE = """

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from cpbench.cp.layout import SequenceLayout
-from cpbench.harness.peers import attention_level
 from cpbench.harness.peers import adapters as peer_adapters
-from cpbench.harness.suite.checks import SuiteErrors
+from cpbench.harness.peers import attention_level
 from cpbench.harness.peers.registry import PEERS, AttentionContext, get_peer
 from cpbench.harness.run.skips import SkipRules
+from cpbench.harness.suite.checks import SuiteErrors
 from cpbench.harness.suite.spec import load_suite
 
 SUITE = """

@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from cpbench.harness.measure import env
-
-from cpbench.harness.measure import probes
-
+from cpbench.harness.measure import env, probes
 from cpbench.harness.run import rows
 from cpbench.harness.suite.spec import load_suite
 

@@ -19,8 +19,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from cpbench.cp.ring.cuda import CudaSdpaKernel
 from cpbench.cp.ring.kernels import CpuSdpaKernel, TorchKernel
-from cpbench.cp.ring.select import select_kernel
 from cpbench.cp.ring.masks import CAUSAL, DENSE, FULL, TileMask
+from cpbench.cp.ring.select import select_kernel
 from tests.emulation.aten_sdpa import Counted
 from tests.unit.test_ring_flash import SCALE, B, D, H, Q, check_against_exact, tiles, tolerances
 

@@ -25,8 +25,8 @@ from cpbench.cp.ring import flash as ring_flash
 from cpbench.cp.ring.cuda import CudaSdpaKernel
 from cpbench.cp.ring.flash import FlashAttnKernel, flash_kernel_or_none
 from cpbench.cp.ring.kernels import CpuSdpaKernel, TorchKernel, acc_dtype
-from cpbench.cp.ring.select import select_kernel
 from cpbench.cp.ring.masks import CAUSAL, DENSE, FULL, TileMask
+from cpbench.cp.ring.select import select_kernel
 from tests.emulation.flash_attn import FUNCTIONS
 
 B, H, Q, D = 2, 4, 6, 8

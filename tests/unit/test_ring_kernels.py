@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from cpbench.cp.ring.kernels import CpuSdpaKernel, TorchKernel
-from cpbench.cp.ring.select import select_kernel
 from cpbench.cp.ring.masks import CAUSAL, DENSE, FULL, TileMask
+from cpbench.cp.ring.select import select_kernel
 
 B, H, HKV, Q, D = 2, 4, 2, 6, 8
 SCALE = D**-0.5

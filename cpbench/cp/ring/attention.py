@@ -27,8 +27,8 @@ from cpbench.cp.hf_compat import model_attention_implementation
 from cpbench.cp.layout import SequenceLayout
 from cpbench.cp.ring.comm import DKV_TAG, KV_TAG, P2PCounter, RingComm
 from cpbench.cp.ring.kernels import RING_IMPLEMENTATIONS, acc_dtype, safe_lse
-from cpbench.cp.ring.select import select_kernel
 from cpbench.cp.ring.masks import SKIP, RingMasks, build_ring_masks
+from cpbench.cp.ring.select import select_kernel
 
 __all__ = ["RING_IMPLEMENTATIONS", "P2PCounter", "ring_attention", "ring_attention_with_lse", "ring_p2p_count"]
 

@@ -77,8 +77,8 @@ def no_peak_reason(device_name: str | None, dtype: str) -> str | None:
         return None
     if (device_name or "").strip() in PEAK_FLOPS:
         return f"mfu is null: no {dtype} peak for {device_name!r} in cpbench.harness.measure.flops.PEAK_FLOPS"
-    return (f"mfu is null: device {device_name!r} is not in cpbench.harness.measure.flops.PEAK_FLOPS (exact names only; a "
-            f"MIG slice has a fraction of its GPU's peak): add its data-sheet figures there")
+    return (f"mfu is null: device {device_name!r} is not in cpbench.harness.measure.flops.PEAK_FLOPS (exact names "
+            f"only; a MIG slice has a fraction of its GPU's peak): add its data-sheet figures there")
 
 
 def causal_pairs(seq_len: int, window: int | None = None) -> int:

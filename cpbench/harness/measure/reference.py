@@ -15,9 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from cpbench.harness.measure import parity
-
-from cpbench.harness.measure import step
+from cpbench.harness.measure import parity, step
 from cpbench.harness.measure.capture import capture
 from cpbench.harness.suite.spec import NO_STYLE, Point
 

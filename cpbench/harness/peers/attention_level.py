@@ -20,12 +20,11 @@ import torch
 import torch.distributed as dist
 
 from cpbench.cp.layout import SequenceLayout
-
 from cpbench.harness.measure import parity
+from cpbench.harness.measure.probes import StepTimer, memory_probe, rss_peak_bytes
 from cpbench.harness.peers import adapters
 from cpbench.harness.peers.registry import AttentionContext, get_peer, unsharded
 from cpbench.harness.suite.presets import get_preset
-from cpbench.harness.measure.probes import StepTimer, memory_probe, rss_peak_bytes
 from cpbench.harness.suite.spec import NO_STYLE, Point
 
 

@@ -20,16 +20,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from cpbench.report import store
-from cpbench.report.units import parse_bytes
-
-from cpbench.harness.run import rows
 from cpbench.harness.measure.env import fingerprint
 from cpbench.harness.project.projection import project_rank, projected_ranks
+from cpbench.harness.run import rows
 from cpbench.harness.run.skips import SkipRules
+from cpbench.harness.run.sweep import pick_run_dir
 from cpbench.harness.suite.spec import Point, Suite
 from cpbench.harness.suite.suites import resolve_suite
-from cpbench.harness.run.sweep import pick_run_dir
+from cpbench.report import store
+from cpbench.report.units import parse_bytes
 
 
 @dataclass(kw_only=True)

@@ -1,7 +1,7 @@
 """A projection: one rank of a point's step on fake tensors against a fake process group, in this process.
 
-The step is `measure/step.py`'s, as a measured run takes it (the model, the plan, FSDP2 over fsdp x cp, the loss, AdamW);
-only the tensors and the process group are swapped, and the kernels are those of the point's device
+The step is `measure/step.py`'s, as a measured run takes it (the model, the plan, FSDP2 over fsdp x cp, the loss,
+AdamW); only the tensors and the process group are swapped, and the kernels are those of the point's device
 (`DistributedConfig.cp_kernel_device`, the optimizer's foreach choice). Memory is tracked by the same tracker as a
 measured CPU run (probes.py), so on CPU the two are held equal by tests.
 

@@ -14,16 +14,13 @@ import sys
 
 import pandas as pd
 
+from cpbench.harness.measure.env import fingerprint
+from cpbench.harness.run import rows, worker
+from cpbench.harness.run.records import LaunchRecords
+from cpbench.harness.run.sweep import failures
+from cpbench.harness.suite.suites import resolve_suite
 from cpbench.report import store
 from cpbench.report.units import parse_bytes
-
-from cpbench.harness.run import rows
-
-from cpbench.harness.run import worker
-from cpbench.harness.measure.env import fingerprint
-from cpbench.harness.run.records import LaunchRecords
-from cpbench.harness.suite.suites import resolve_suite
-from cpbench.harness.run.sweep import failures
 
 
 def run_external(args) -> int:

@@ -17,18 +17,17 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from cpbench.report import store
-from cpbench.report.units import parse_bytes
-
+from cpbench.harness.measure.env import fingerprint
 from cpbench.harness.run import rows
 from cpbench.harness.run.cluster import ClusterLaunch, ClusterOptions, free_port, rendezvous_args
-from cpbench.harness.measure.env import fingerprint
 from cpbench.harness.run.launch import Launch, worker_command
 from cpbench.harness.run.progress import SweepProgress
 from cpbench.harness.run.records import LaunchRecords
 from cpbench.harness.run.skips import SkipRules
 from cpbench.harness.suite.spec import Point
 from cpbench.harness.suite.suites import resolve_suite, suite_ref
+from cpbench.report import store
+from cpbench.report.units import parse_bytes
 
 STARTUP_GRACE_S = 300.0  # imports and process-group setup before a launch's first point starts
 POLL_S = 0.2

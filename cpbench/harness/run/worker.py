@@ -26,16 +26,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from cpbench.report.units import parse_bytes
-
-from cpbench.harness.measure import parity
-
-from cpbench.harness.measure import step
-from cpbench.harness.peers.attention_level import run_attention_point
+from cpbench.harness.measure import parity, step
 from cpbench.harness.measure.capture import capture
-from cpbench.harness.measure.reference import reference_phase
 from cpbench.harness.measure.probes import StepTimer, memory_probe, reset_rss_peak, rss_peak_bytes
+from cpbench.harness.measure.reference import reference_phase
+from cpbench.harness.peers.attention_level import run_attention_point
 from cpbench.harness.suite.spec import Point
+from cpbench.report.units import parse_bytes
 
 
 def rank_env() -> tuple[int, int, int]:

@@ -8,13 +8,12 @@ Each check takes the `spec.Suite` being validated (spec imports this module, so 
 from __future__ import annotations
 
 import re
-from cpbench.report.units import parse_bytes
 
 from cpbench.harness.suite import grid_checks, levers
 from cpbench.harness.suite.grid_checks import BACKENDS, CUDA_ONLY_BACKENDS, DOCUMENTED_STYLES  # noqa: F401 - the allowed values
 from cpbench.harness.suite.presets import check_overrides, get_preset
 from cpbench.harness.suite.suite_errors import Collector, SuiteErrors, each, err  # noqa: F401 - spec and tests import them from here
-
+from cpbench.report.units import parse_bytes
 
 # The grid's allowed values live with the grid's checks (grid_checks.py); the rest live here, beside theirs.
 DTYPES = ("float32", "bfloat16", "float16")
@@ -22,7 +21,8 @@ DEVICES = ("cpu", "cuda")
 BATCH_KINDS = ("plain", "packed", "padded")
 PARITY_MODES = ("auto", "full", "projected", "off")
 REFERENCES = ("auto", "unsharded", "sharded")  # where the parity reference runs (see `Suite.reference`)
-LEVELS = ("model", "attention")  # what a point runs: the model's training step, or one attention op (peers/attention_level.py)
+# What a point runs: the model's training step, or one attention op (peers/attention_level.py).
+LEVELS = ("model", "attention")
 LOSSES = ("full", "chunked", "liger")  # cpbench.cp.loss.chunked.LOSSES
 FAULTS = ("crash", "oom", "hang", "reference_crash")  # injected by cpbench's own tests only (see `Suite.faults`)
 NO_STYLE = "none"

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from cpbench.harness.suite.suite_errors import Collector, each, err
 
-
 BACKENDS = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3")
 CUDA_ONLY_BACKENDS = ("flash_attention_2", "flash_attention_3")
 # cpbench's documented attention styles. A documented style that this install has not registered yet is

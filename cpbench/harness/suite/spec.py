@@ -14,10 +14,9 @@ import tomllib
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from cpbench.report.schema import KEY_COLUMNS
-
 from cpbench.harness.suite.checks import NO_STYLE, SuiteErrors, err, validate
 from cpbench.harness.suite.levers import tiled_mlp_tiles
+from cpbench.report.schema import KEY_COLUMNS
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -127,7 +126,8 @@ class Point:
         if self.loss_mode != "full":
             parts.append(f"{self.loss_mode}-loss")
         if self.activation_checkpointing:
-            parts.append("recompute" + (f"{self.recompute_every_n_layers}" if self.recompute_every_n_layers > 1 else ""))
+            every = self.recompute_every_n_layers
+            parts.append("recompute" + (str(every) if every > 1 else ""))
         if self.offload_activations:
             parts.append("offload-act")
         if self.offload_params:
