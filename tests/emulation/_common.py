@@ -67,6 +67,16 @@ class Contract:
     test: str = ""
 
 
+def contract_rows(prefix: str):
+    """The row maker of one module's CONTRACT: ids prefixed with the module's kernel ("aten.flash.", ...)."""
+
+    def row(id_, ops, source, requires, message="", kind="check", test="", enforced=""):
+        enforced = enforced or ("KernelError with the kernel's message" if kind == "check" else "see test")
+        return Contract(prefix + id_, ops, source, requires, enforced, kind, message, test)
+
+    return row
+
+
 # -- binding a call to an aten schema ---------------------------------------------------------------------------
 
 

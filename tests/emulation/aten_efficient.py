@@ -32,12 +32,12 @@ import torch
 
 from ._common import (
     INF,
-    Contract,
     Undefined,
     aligned,
     attention_grads,
     bind,
     check,
+    contract_rows,
     emulated,
     expect,
     scores,
@@ -200,9 +200,7 @@ _FWD, _BWD = ("sdpa_efficient",), ("sdpa_efficient_backward",)
 _ALL = _FWD + _BWD
 
 
-def _row(id_, ops, source, requires, message="", kind="check", test="", enforced=""):
-    enforced = enforced or ("KernelError with the kernel's message" if kind == "check" else "see test")
-    return Contract("aten.efficient." + id_, ops, source, requires, enforced, kind, message, test)
+_row = contract_rows("aten.efficient.")
 
 
 CONTRACT = [

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from . import _flash
-from ._common import Contract, bind, check, emulated
+from ._common import bind, check, contract_rows, emulated
 
 ATEN = torch.ops.aten
 API = "aten flash_attn/flash_api.cpp @03b7c19d"
@@ -101,9 +101,7 @@ _BWD = ("sdpa_flash_backward", "flash_attention_backward")
 _ALL = _FWD + _BWD
 
 
-def _row(id_, ops, source, requires, message="", kind="check", test="", enforced=""):
-    enforced = enforced or ("KernelError with the kernel's message" if kind == "check" else "see test")
-    return Contract("aten.flash." + id_, ops, source, requires, enforced, kind, message, test)
+_row = contract_rows("aten.flash.")
 
 
 CONTRACT = [

@@ -18,7 +18,7 @@ from typing import Optional, Tuple
 import torch
 
 from . import _flash
-from ._common import Contract, emulated
+from ._common import contract_rows, emulated
 
 SRC = "flash-attn v2.8.3 csrc/flash_attn/flash_api.cpp"
 PY = "flash-attn v2.8.3 flash_attn/flash_attn_interface.py"
@@ -97,9 +97,7 @@ _BWD = ("_flash_attn_backward", "_flash_attn_varlen_backward")
 _ALL = _FWD + _BWD
 
 
-def _row(id_, ops, source, requires, message="", kind="check", test="", enforced=""):
-    enforced = enforced or ("KernelError with the kernel's message" if kind == "check" else "see test")
-    return Contract("flash_attn." + id_, ops, source, requires, enforced, kind, message, test)
+_row = contract_rows("flash_attn.")
 
 
 CONTRACT = [
