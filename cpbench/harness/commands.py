@@ -15,7 +15,8 @@ def register(subparsers) -> None:
     sweep = subparsers.add_parser(
         "sweep", help="run a suite of points into results/<suite>/<run>/runs.parquet",
         description="Run a suite of points into results/<suite>/<run>/runs.parquet. " + EXIT_CODES)
-    sweep.add_argument("suite", nargs="?", default=None, help="suite file (default: the embedded CPU suite)")
+    sweep.add_argument("suite", nargs="?", default=None,
+                       help="suite file, or 'default' (the embedded CPU suite, also what no argument runs)")
     _common(sweep)
     cluster = sweep.add_argument_group("on a cluster (submitit: pip install 'cpbench[slurm]')")
     cluster.add_argument("--launcher", default="local", choices=LAUNCHERS,
@@ -59,7 +60,8 @@ def register(subparsers) -> None:
     quick.add_argument("--seq", default=None, help="lengths, e.g. 16384,32768")
     quick.add_argument("--cp", default="1,2", help="cp sizes (default 1,2)")
     quick.add_argument("--attn", default="sdpa", help="attention backends (default sdpa)")
-    quick.add_argument("--styles", default="cp_ulysses,cp_ring_zigzag", help="CP styles at cp > 1")
+    quick.add_argument("--styles", default="cp_ulysses,cp_ring_zigzag",
+                       help="CP styles at cp > 1 (default cp_ulysses,cp_ring_zigzag)")
     quick.add_argument("--dtype", default="bfloat16", help="float32 | bfloat16 | float16 (default bfloat16)")
     quick.add_argument("--device", default="cuda", help="the device projected: its kernels (default cuda)")
     quick.add_argument("--world-size", type=int, default=None, help="ranks; fsdp fills what cp leaves")

@@ -25,13 +25,13 @@ def register(subparsers) -> None:
     report.set_defaults(func=run_report)
 
     compare = subparsers.add_parser("compare", help="two runs side by side, with the change per metric")
-    compare.add_argument("run_a")
-    compare.add_argument("run_b")
+    compare.add_argument("run_a", help="the first run: a run directory (results/<suite>/<run>) or a .parquet file")
+    compare.add_argument("run_b", help="the second run, compared with the first (change = b against a)")
     compare.add_argument("--out", help="also write the comparison (Markdown) to this file")
     compare.set_defaults(func=run_compare)
 
     gate = subparsers.add_parser("gate", help="fail (exit 1) when a run regresses against a baseline")
-    gate.add_argument("run")
+    gate.add_argument("run", help="the run to check: a run directory (results/<suite>/<run>) or a .parquet file")
     gate.add_argument("--baseline", required=True, help="baseline Parquet, e.g. results/baselines/smoke.parquet")
     gate.add_argument("--rules", help="rules TOML (default: gate-rules.toml beside the baseline, else the rules "
                                       "shipped with cpbench)")
