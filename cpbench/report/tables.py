@@ -1,5 +1,5 @@
 """The comparison table users know: rows are sequence lengths, columns are cp sizes (and the backend, style or
-any other spec field the sweep varies), cells `<peak> GiB, <median step> ms` with the parity verdict — or what
+any other spec field the sweep varies), cells `<peak>, <median step> ms` (the peaks in one unit per table) with the parity verdict — or what
 happened instead (`out of memory`, `timeout`, `error`, `skipped`). The headline memory is the max over ranks.
 """
 
@@ -20,19 +20,20 @@ PARITY_TEXT = {"pass": "parity ✓", "fail": "parity ✗ FAIL", "reference_oom":
                "error": "parity error", "skipped": "parity skipped"}
 
 
-def cell(row: pd.Series) -> str:
-    """One point as the table shows it. A projected point says so: its peak is a projection, and it has no time
-    and no parity (`cpbench estimate`)."""
+def cell(row: pd.Series, unit: tuple[int, str] = (units.GIB, "GiB")) -> str:
+    """One point as the table shows it, its peak in the table's `unit`. A projected point says so: its peak is a
+    projection, and it has no time and no parity (`cpbench estimate`)."""
     status = row["status"]
+    peak = units.in_unit(row["peak_bytes"], unit)
     if row.get("measurement") == "projected":
         if status == "ok":
-            return f"{units.gib(row['peak_bytes'])} projected"
+            return f"{peak} projected"
         if status == "oom" and pd.notna(row["peak_bytes"]):
-            return f"out of memory ({units.gib(row['peak_bytes'])} projected)"
+            return f"out of memory ({peak} projected)"
         return STATUS_TEXT.get(status, str(status))
     if status != "ok":
         return STATUS_TEXT.get(status, str(status))
-    text = f"{units.gib(row['peak_bytes'])}, {units.ms(row['step_time_median_s'])}"
+    text = f"{peak}, {units.ms(row['step_time_median_s'])}"
     parity = row["parity_status"]
     if isinstance(parity, str):
         text += f", {PARITY_TEXT.get(parity, 'parity ' + parity)}"
@@ -43,7 +44,8 @@ def comparison(frame: pd.DataFrame) -> pd.DataFrame:
     """The table as a DataFrame of strings: index `seq_len`, one column per configuration."""
     labelled = with_config(frame)
     check_unique(frame, "run")  # one cell per point
-    cells = labelled.assign(cell=labelled.apply(cell, axis=1) if len(labelled) else [])
+    unit = units.byte_unit(frame["peak_bytes"]) if len(frame) else (units.GIB, "GiB")
+    cells = labelled.assign(cell=labelled.apply(cell, axis=1, unit=unit) if len(labelled) else [])
     table = cells.pivot(index="seq_len", columns="config", values="cell")
     table = table.reindex(columns=ordered_configs(frame)).sort_index().fillna(NOT_RUN)
     table.columns.name = None
@@ -51,21 +53,24 @@ def comparison(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def points(frame: pd.DataFrame) -> pd.DataFrame:
-    """Every point with its details (per-rank peaks, spread of step times, parity errors, why it is not ok)."""
-    rows = [_point_row(row) for _, row in frame.iterrows()]
+    """Every point with its details (per-rank peaks, spread of step times, parity errors, why it is not ok); the
+    byte columns in one unit, picked from their values."""
+    values = [v for c in ("peak_bytes", "activations_bytes", "temporaries_bytes") if c in frame for v in frame[c]]
+    unit = units.byte_unit(values)
+    rows = [_point_row(row, unit) for _, row in frame.iterrows()]
     return pd.DataFrame(rows)
 
 
-def _point_row(row: pd.Series) -> dict:
+def _point_row(row: pd.Series, unit: tuple[int, str]) -> dict:
     per_rank = row["peak_bytes_per_rank"]
-    ranks = ", ".join(units.sig(b / units.GIB) for b in per_rank) if _has(per_rank) else "–"
+    ranks = ", ".join(units.sig(b / unit[0]) for b in per_rank) if _has(per_rank) else "–"
     return {
         "point": row["point_id"],
         "status": row["status"] + (" (projected)" if row.get("measurement") == "projected" else ""),
-        "peak (max over ranks)": units.gib(row["peak_bytes"]),
-        "peak per rank (GiB)": ranks,
-        "activations": units.gib(row["activations_bytes"]),
-        "temporaries": units.gib(row.get("temporaries_bytes")),
+        "peak (max over ranks)": units.in_unit(row["peak_bytes"], unit),
+        f"peak per rank ({unit[1]})": ranks,
+        "activations": units.in_unit(row["activations_bytes"], unit),
+        "temporaries": units.in_unit(row.get("temporaries_bytes"), unit),
         "step median": units.ms(row["step_time_median_s"]),
         "step p10–p90": _spread(row),
         "tokens/s": units.sig(row["tokens_per_s"]),

@@ -33,6 +33,22 @@ def gib(num_bytes) -> str:
     return "–" if _missing(num_bytes) else f"{sig(num_bytes / GIB)} GiB"
 
 
+BYTE_UNITS = ((GIB, "GiB"), (MIB, "MiB"), (KIB, "KiB"), (1, "B"))
+
+
+def byte_unit(values) -> tuple[int, str]:
+    """One unit for a table (or a column): the largest that keeps its largest value >= 1, so that a table reads in
+    one unit family (`4.20 MiB` beside `15.1 MiB`, not `0.00410 GiB`)."""
+    present = [abs(v) for v in values if not _missing(v)]
+    largest = max(present, default=0)
+    return next(((size, name) for size, name in BYTE_UNITS if largest >= size), (1, "B"))
+
+
+def in_unit(num_bytes, unit: tuple[int, str]) -> str:
+    """`num_bytes` in a table's unit (see `byte_unit`)."""
+    return "–" if _missing(num_bytes) else f"{sig(num_bytes / unit[0])} {unit[1]}"
+
+
 def human_bytes(num_bytes) -> str:
     """The largest of GiB, MiB, KiB, B that keeps the number >= 1: for messages about small CPU models."""
     if _missing(num_bytes):

@@ -18,4 +18,18 @@ def test_the_sweep_summary_renders_numbers_through_report_units():
     ])
     text = summary_table(df)
     assert human_bytes(3 * 2**30) in text and human_bytes(5 * 2**20) in text and ms(0.0456) in text
-    assert "3.00 GiB" in text and "skipped: why" in text and "nan" not in text
+    assert "3.00 GiB" in text and "skipped [1]" in text and "\n[1] why" in text and "nan" not in text
+
+
+def test_a_column_reads_in_one_unit_and_reasons_are_never_cut():
+    import pandas as pd
+
+    from cpbench.harness.run.summary import projected_table
+
+    reason = "a projection cannot run Liger-Kernel's Triton kernels on fake tensors; project loss = \"chunked\""
+    rows = [{"point_id": "small", "status": "ok", "peak_bytes": 4.2 * 2**20},
+            {"point_id": "large", "status": "oom", "peak_bytes": 2 * 2**30},
+            {"point_id": "liger", "status": "skipped", "peak_bytes": None, "status_detail": reason}]
+    text = projected_table(pd.DataFrame(rows))
+    assert "0.00410 GiB" in text and "2.00 GiB" in text and "MiB" not in text  # one unit for the peak column
+    assert "skipped [1]" in text and text.endswith(f"[1] {reason}")  # the whole reason, once, below the table

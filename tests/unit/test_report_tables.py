@@ -25,7 +25,9 @@ def test_cells_show_peak_time_and_parity_or_what_happened(run):
     assert table.loc[2048, "cp 1"] == "skipped"
     ok = table.loc[512, "cp 2 · cp_ulysses"]
     peak = run.loc[(run.seq_len == 512) & (run.cp_style == "cp_ulysses"), "peak_bytes"].item()
-    assert ok.startswith(f"{units.gib(peak)}, ") and " ms, parity ✓" in ok
+    unit = units.byte_unit(run["peak_bytes"])  # one unit for the whole table, picked from its values
+    assert ok.startswith(f"{units.in_unit(peak, unit)}, ") and " ms, parity ✓" in ok
+    assert all(unit[1] in c for c in table.to_numpy().ravel() if "ms" in c)
 
 
 def test_parity_failure_is_visible_in_the_cell():
@@ -54,7 +56,8 @@ def test_duplicate_points_are_refused_with_their_ids():
 
 def test_points_table_keeps_per_rank_peaks_and_details(run):
     points = tables.points(run).set_index("point")
-    assert len(points.loc["llama-tiny/s512/cp2/sdpa/cp_ring", "peak per rank (GiB)"].split(", ")) == 2
+    unit = units.byte_unit(run["peak_bytes"])[1]
+    assert len(points.loc["llama-tiny/s512/cp2/sdpa/cp_ring", f"peak per rank ({unit})"].split(", ")) == 2
     assert "memory budget" in points.loc["llama-tiny/s1024/cp1/sdpa/none", "detail"]
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from cpbench.report.units import human_bytes, ms, sig
+from cpbench.report.units import byte_unit, in_unit, ms, sig
 
 
 def overrides_lines(df) -> list[str]:
@@ -30,29 +30,57 @@ def _table(df) -> str:
     if len(df) and "measurement" in df and (df["measurement"] == "projected").all():
         return projected_table(df)
     header = ["point", "status", "peak/rank", "activations", "RSS", "step (p50)", "tok/s", "parity"]
+    records = df.to_dict("records")
+    notes = _Notes()
+    byte_cols = ("peak_bytes", "activations_bytes", "rss_peak_bytes")
+    unit = {c: byte_unit(r.get(c) for r in records) for c in byte_cols}
     lines = []
-    for r in df.to_dict("records"):
-        status = r["status"] if r["status"] == "ok" else f"{r['status']}: {str(r.get('status_detail'))[:40]}"
+    for r in records:
+        status = r["status"] if r["status"] == "ok" else notes.mark(r["status"], r.get("status_detail"))
         lines.append([
-            r["point_id"], status, human_bytes(r.get("peak_bytes")), human_bytes(r.get("activations_bytes")),
-            human_bytes(r.get("rss_peak_bytes")), ms(r.get("step_time_median_s")), sig(r.get("tokens_per_s")),
-            r.get("parity_status") or "",
+            r["point_id"], status, *(in_unit(r.get(c), unit[c]) for c in byte_cols), ms(r.get("step_time_median_s")),
+            sig(r.get("tokens_per_s")), r.get("parity_status") or "",
         ])
-    return _render(header, lines)
+    return notes.below(_render(header, lines))
 
 
 def projected_table(df) -> str:
-    """A projected run: what fits, the peak's breakdown, and what one step sends (no time, no parity)."""
+    """A projected run: what fits, the peak's breakdown, and what one step sends (no time, no parity). Each byte
+    column in one unit; a point that is not ok is marked, its whole reason below the table."""
     header = ["point (projected)", "status", "peak/rank", "params", "grads", "optimizer", "activations",
               "temporaries", "sent/step"]
-    lines = []
-    for r in df.to_dict("records"):
-        status = r["status"] if r["status"] in ("ok", "oom") else f"{r['status']}: {str(r.get('status_detail'))[:40]}"
-        sent = sum(r.get(c) or 0 for c in r if c.startswith("comm_") and c.endswith("_bytes"))
-        lines.append([r["point_id"], status, *(human_bytes(r.get(c)) for c in (
-            "peak_bytes", "params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes",
-            "temporaries_bytes")), human_bytes(sent) if r["status"] in ("ok", "oom") else "–"])
-    return _render(header, lines)
+    records = df.to_dict("records")
+    for r in records:
+        r["sent"] = sum(r.get(c) or 0 for c in r if c.startswith("comm_") and c.endswith("_bytes"))
+    byte_cols = ("peak_bytes", "params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes",
+                 "temporaries_bytes", "sent")
+    unit = {c: byte_unit(r.get(c) for r in records) for c in byte_cols}
+    notes, lines = _Notes(), []
+    for r in records:
+        status = r["status"] if r["status"] in ("ok", "oom") else notes.mark(r["status"], r.get("status_detail"))
+        if r["status"] not in ("ok", "oom"):
+            r["sent"] = None
+        lines.append([r["point_id"], status, *(in_unit(r.get(c), unit[c]) for c in byte_cols)])
+    return notes.below(_render(header, lines))
+
+
+class _Notes:
+    """A point's reason as a mark in its status cell (`skipped [1]`), the whole text once below the table: a cut
+    reason (`status: reason...`) told half of it."""
+
+    def __init__(self):
+        self.texts: list[str] = []
+
+    def mark(self, status: str, detail) -> str:
+        if not detail:
+            return status
+        text = str(detail)
+        if text not in self.texts:
+            self.texts.append(text)
+        return f"{status} [{self.texts.index(text) + 1}]"
+
+    def below(self, table: str) -> str:
+        return "\n".join([table, *(f"[{i}] {text}" for i, text in enumerate(self.texts, 1))])
 
 
 def _render(header: list[str], lines: list[list]) -> str:
