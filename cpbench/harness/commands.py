@@ -255,6 +255,9 @@ def estimate_command(args) -> int:
         return 2
     df = store.read_run(run_dir)
     print(summary_table(df))
+    if df["memory_budget_bytes"].isna().all():
+        print("\nno capacity given (--device-memory, or the suite's memory_budget): no point was checked against a "
+              "device's memory, so `ok` says only that the step projected; give --device-memory 80GiB to check.")
     if args.max_seq:
         fits = largest_fit(df)
         print("\nlargest length that fits (projected), per configuration:")

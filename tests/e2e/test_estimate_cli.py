@@ -70,10 +70,11 @@ def test_max_seq_finds_the_largest_length_that_fits_to_the_granularity(tmp_path,
     assert (df[df["seq_len"] <= largest]["status"] == "ok").all()
 
 
-def test_the_quick_form_projects_one_model_without_a_suite(tmp_path):
+def test_the_quick_form_projects_one_model_without_a_suite(tmp_path, capsys):
     rc, df = _estimate(tmp_path, "--model", "tiny-llama", "--seq", "128", "--cp", "2", "--device", "cpu",
                        "--dtype", "float32", "--styles", "cp_ring_zigzag", "--override", "max_position_embeddings=4096")
     assert rc == 0 and len(df) == 1 and set(df["status"]) == {"ok"}
+    assert "no point was checked against a device's memory" in capsys.readouterr().out  # `ok` is not "fits"
     assert '"max_position_embeddings": 4096' in df["spec_json"].iloc[0]  # the config value reached the point
     cp2 = df[df["cp_size"] == 2]
     assert (cp2["comm_p2p_count"] > 0).all() and (cp2["comm_all_gather_count"] > 0).all()
