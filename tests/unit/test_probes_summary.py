@@ -33,3 +33,18 @@ def test_a_column_reads_in_one_unit_and_reasons_are_never_cut():
     text = projected_table(pd.DataFrame(rows))
     assert "0.00410 GiB" in text and "2.00 GiB" in text and "MiB" not in text  # one unit for the peak column
     assert "skipped [1]" in text and text.endswith(f"[1] {reason}")  # the whole reason, once, below the table
+
+
+def test_overrides_are_listed_once_and_rows_without_a_spec_render():
+    import json
+
+    import pandas as pd
+
+    from cpbench.harness.run.summary import summary_table
+
+    spec = json.dumps({"model_overrides": {"num_hidden_layers": 3}})
+    df = pd.DataFrame([{"point_id": "m+abc123/s1", "model": "m+abc123", "status": "ok", "spec_json": spec},
+                       {"point_id": "m+abc123/s2", "model": "m+abc123", "status": "ok", "spec_json": spec},
+                       {"point_id": "plain/s1", "model": "plain", "status": "ok", "spec_json": float("nan")}])
+    text = summary_table(df)
+    assert text.count('m+abc123: model_overrides = {"num_hidden_layers": 3}') == 1 and "plain/s1" in text

@@ -12,7 +12,8 @@ def overrides_lines(df) -> list[str]:
     """Each model's overrides, once (a point's model names them by a short hash: `qwen3-0.6b+3f2a1c`)."""
     seen = {}
     for r in df.to_dict("records"):
-        spec = json.loads(r.get("spec_json") or "{}")
+        text = r.get("spec_json")
+        spec = json.loads(text) if isinstance(text, str) else {}  # a row without a spec (NaN in a frame) has none
         if spec.get("model_overrides"):
             seen[r["model"]] = json.dumps(spec["model_overrides"], sort_keys=True)
     return [f"{model}: model_overrides = {text}" for model, text in sorted(seen.items())]
