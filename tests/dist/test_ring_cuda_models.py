@@ -12,8 +12,8 @@ with sdpa and makes the ring choose as it would for a flash_attention_2 model (t
 The matrix (`cases`): cp 2 (cp_ring, cp_ring_zigzag) with fp32 and bf16, GQA (4 query heads, 2 kv heads), head dims
 64, 80 (a sliding window of 12) and 12 (not a multiple of 8), batches plain, packed, left- and right-padded,
 odd-length and packed differently per row (sequence 20: rows [8, 12] and [3, 14, 3], where the sliding-window model
-meets the off-diagonal varlen window that flash cannot say); cp 4 (the same styles and cp_usp, 2 x 2) on the bf16
-cases a wider ring changes. bf16 is held to its dtype-derived tolerance (`cpbench.harness.measure.parity.tolerances`), fp32
+meets the off-diagonal varlen window that flash cannot say); cp 4 (the same styles and cp_usp, 2 x 2) on the cases
+a wider ring changes (bf16, and fp32 for the window model). bf16 is held to its dtype-derived tolerance (`cpbench.harness.measure.parity.tolerances`), fp32
 to the fp32 one. Each of the four defects of issue 16 fails this test without its fix (a crash in the emulated
 kernel's checks, or NaN).
 """
@@ -35,14 +35,18 @@ STYLES = {2: ("cp_ring", "cp_ring_zigzag"), 4: ("cp_ring", "cp_ring_zigzag", "cp
 def cases(cp: int) -> list[tuple]:
     """(family, dtype, implementation, style, batch kind) at `cp`. fp32 never reaches flash-attn (its kernels take
     fp16/bf16 only, so a flash_attention_2 model's fp32 tiles take the sdpa kernel: the sdpa case covers them). cp 4
-    keeps what a wider ring adds: the odd head dim and the window model, bf16, the batches that take every route."""
+    keeps what a wider ring adds: the odd head dim and the window model in bf16 on the batches that take every route,
+    and the window model in fp32 (every tile on the efficient kernel)."""
     if cp == 2:
-        dtypes, families, kinds = ("float32", "bfloat16"), tuple(FAMILIES), KINDS
-    else:
-        dtypes, families, kinds = ("bfloat16",), ("qwen3-d12", "mistral-d80-w12"), ("right_pad", "row_packed")
+        return _product(tuple(FAMILIES), ("float32", "bfloat16"), STYLES[2], KINDS)
+    return (_product(("qwen3-d12", "mistral-d80-w12"), ("bfloat16",), STYLES[4], ("right_pad", "row_packed"))
+            + _product(("mistral-d80-w12",), ("float32",), STYLES[4], ("row_packed",)))
+
+
+def _product(families, dtypes, styles, kinds) -> list[tuple]:
     return [(name, dtype, impl, style, kind) for name in families for dtype in dtypes
             for impl in (("sdpa",) if dtype == "float32" else ("sdpa", "flash_attention_2"))
-            for style in STYLES[cp] for kind in kinds]
+            for style in styles for kind in kinds]
 
 
 def batch_for(kind: str) -> dict:
