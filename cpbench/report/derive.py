@@ -56,7 +56,8 @@ def ratios_vs_cp1(frame: pd.DataFrame) -> pd.DataFrame:
     (its peak / cp1 peak, and the same for activations) against the cp=1 point of the same other key columns.
     Points without an ok cp=1 counterpart are left out (there is nothing to divide by)."""
     match = [c for c in KEY_COLUMNS if c not in ("cp_size", "cp_style", "implementation")]  # cp 1: unsharded
-    ok = with_config(frame[frame["status"] == "ok"])
+    labelled = with_config(frame)  # labels from the whole run, as every other table and figure has them
+    ok = labelled[labelled["status"] == "ok"]
     base = ok[ok["cp_size"] == 1][match + ["step_time_median_s", "peak_bytes", "activations_bytes"]]
     base = base.drop_duplicates(match)
     merged = ok[ok["cp_size"] > 1].merge(base, on=match, suffixes=("", "_cp1"))

@@ -1,7 +1,9 @@
 """The report's figures (matplotlib's object API on the Agg canvas: no pyplot state, no display needed).
 
-Each `*_figure(frame)` returns a Figure (a notebook shows it; `save_all` writes PNGs). Axes are in GiB and ms
-(rendering only); the data stays in bytes and seconds.
+Each `*_figure(frame)` returns a Figure (a notebook shows it; `save_all` writes PNGs, and leaves out a figure with
+nothing to show). Axes are in GiB and ms (rendering only); the data stays in bytes and seconds. A configuration has
+one colour in every figure of a run (`config_colors`), sequence lengths read 16k, 32k, 1M, and legends stand outside
+the data.
 """
 
 from __future__ import annotations
@@ -11,10 +13,12 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+from matplotlib import colormaps
 from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter, NullFormatter
 
 from .derive import largest_fit, measurement_note, ordered_configs, ratios_vs_cp1, with_config
-from .units import GIB
+from .units import GIB, seq_label
 
 BREAKDOWN = (("params_bytes", "parameters"), ("grads_bytes", "gradients"),
              ("optimizer_bytes", "optimizer state"), ("activations_bytes", "activations"),
@@ -25,13 +29,29 @@ FLOOR = 1e-6  # an error of exactly 0 is drawn here on the log axis (and said so
 
 
 def _ok(frame: pd.DataFrame) -> pd.DataFrame:
-    return with_config(frame[frame["status"] == "ok"]).sort_values("seq_len")
+    labelled = with_config(frame)  # labels from the whole run: a configuration is named alike in every figure
+    return labelled[labelled["status"] == "ok"].sort_values("seq_len")
+
+
+def config_colors(frame: pd.DataFrame) -> dict[str, tuple]:
+    """One colour per configuration of the run, the same in every figure (tab10, tab20 past ten)."""
+    configs = ordered_configs(frame) if len(frame) else []
+    palette = colormaps["tab10" if len(configs) <= 10 else "tab20"].colors
+    return {config: palette[i % len(palette)] for i, config in enumerate(configs)}
 
 
 def _seq_axis(ax) -> None:
     ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: seq_label(x)))
+    ax.xaxis.set_minor_formatter(NullFormatter())
     ax.set_xlabel("sequence length (tokens)")
     ax.grid(True, alpha=0.3)
+
+
+def _legend(ax) -> None:
+    """The legend beside the axes, never over the data."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
 
 
 def _empty(ax, message: str) -> None:
@@ -43,41 +63,51 @@ def capacity_bytes(frame: pd.DataFrame, explicit: float | None = None) -> tuple[
     """The memory line to draw: an explicit capacity (bytes, e.g. `--device-memory` through units.parse_bytes),
     else the sweep's --memory-budget (when it had one)."""
     if explicit is not None:
-        return float(explicit), "device capacity"
+        return float(explicit), "device capacity (--device-memory)"
     budgets = frame["memory_budget_bytes"].dropna()
-    return (float(budgets.max()), "memory budget") if len(budgets) else None
+    return (float(budgets.max()), "the suite's memory budget") if len(budgets) else None
 
 
 def memory_figure(frame: pd.DataFrame, capacity: float | None = None) -> Figure:
     """Peak memory per rank vs sequence length, one line (max over ranks) per configuration, every rank a dot."""
-    fig = Figure(figsize=(8, 5), layout="constrained")
+    fig = Figure(figsize=(10, 5), layout="constrained")
     ax = fig.add_subplot()
-    ok = _ok(frame)
-    if ok.empty:
+    ok, colors = _ok(frame), config_colors(frame)
+    labelled = with_config(frame)
+    if ok.empty and not labelled["status"].isin(["oom", "error", "timeout"]).any():
         _empty(ax, "no point finished ok")
         return fig
-    for config in ordered_configs(ok):
+    for config in ordered_configs(ok) if len(ok) else []:
         points = ok[ok["config"] == config]
-        line = ax.plot(points["seq_len"], points["peak_bytes"] / GIB, marker="o", label=config)[0]
+        ax.plot(points["seq_len"], points["peak_bytes"] / GIB, marker="o", label=config, color=colors[config])
         for seq_len, ranks in zip(points["seq_len"], points["peak_bytes_per_rank"]):
             if ranks is not None and len(ranks):
-                ax.scatter([seq_len] * len(ranks), np.asarray(ranks) / GIB, s=10, color=line.get_color(), alpha=0.5)
-    _mark_failures(ax, with_config(frame))
+                ax.scatter([seq_len] * len(ranks), np.asarray(ranks) / GIB, s=10, color=colors[config], alpha=0.5)
+    _mark_failures(ax, labelled, colors)
     line = capacity_bytes(frame, capacity)
     if line:
         ax.axhline(line[0] / GIB, color="red", linestyle="--", label=line[1])
     _seq_axis(ax)
     ax.set_ylabel("peak memory per rank (GiB)")
     ax.set_title("Peak memory per rank (line: max over ranks, dots: each rank)" + measurement_note(frame))
-    ax.legend(fontsize="small")
+    _legend(ax)
     return fig
 
 
-def _mark_failures(ax, frame: pd.DataFrame) -> None:
+def _mark_failures(ax, frame: pd.DataFrame, colors: dict) -> None:
+    """An out-of-memory point with a peak (a projection's, or a measured one over the budget) at that peak, in its
+    configuration's colour; a point without one (error, timeout) on the top edge."""
     failed = frame[frame["status"].isin(["oom", "error", "timeout"])]
-    if len(failed):
-        ax.scatter(failed["seq_len"], [0.97] * len(failed), marker="x", color="red", s=60,
+    at_peak = failed[(failed["status"] == "oom") & failed["peak_bytes"].notna()]
+    for config, points in at_peak.groupby("config", sort=False):
+        ax.scatter(points["seq_len"], points["peak_bytes"] / GIB, marker="x", s=70, color=colors.get(config, "red"),
+                   label=f"{config}: out of memory (at its peak)")
+    edge = failed.drop(at_peak.index)
+    if len(edge):
+        ax.scatter(edge["seq_len"], [0.97] * len(edge), marker="x", color="red", s=60,
                    transform=ax.get_xaxis_transform(), label="out of memory / error / timeout")
+        if not ax.get_lines() and at_peak.empty:  # nothing in data coordinates: the lengths still set the axis
+            ax.set_xlim(edge["seq_len"].min() / 1.5, edge["seq_len"].max() * 1.5)
 
 
 def time_figure(frame: pd.DataFrame) -> Figure:
@@ -90,17 +120,18 @@ def time_figure(frame: pd.DataFrame) -> Figure:
                "no point finished ok")
         _empty(tps_ax, "")
         return fig
+    colors = config_colors(frame)
     for config in ordered_configs(ok):
         p = ok[ok["config"] == config]
         median = p["step_time_median_s"] * 1e3
         spread = [median - p["step_time_p10_s"] * 1e3, p["step_time_p90_s"] * 1e3 - median]
         step_ax.errorbar(p["seq_len"], median, yerr=np.clip(np.asarray(spread, dtype=float), 0, None),
-                         marker="o", capsize=3, label=config)
-        tps_ax.plot(p["seq_len"], p["tokens_per_s"], marker="o", label=config)
+                         marker="o", capsize=3, label=config, color=colors[config])
+        tps_ax.plot(p["seq_len"], p["tokens_per_s"], marker="o", label=config, color=colors[config])
     for ax, label in ((step_ax, "step time, median (ms; bars p10–p90)"), (tps_ax, "tokens / s")):
         _seq_axis(ax)
         ax.set_ylabel(label)
-        ax.legend(fontsize="small")
+    _legend(tps_ax)
     return fig
 
 
@@ -114,12 +145,13 @@ def scaling_figure(frame: pd.DataFrame) -> Figure:
         _empty(mem_ax, "")
         return fig
     timed = bool(ratios["speedup"].notna().any())
+    colors = config_colors(frame)
     for config in dict.fromkeys(ratios["config"]):
-        r = ratios[ratios["config"] == config]
+        r, color = ratios[ratios["config"] == config], colors.get(config)
         if timed:
-            speed_ax.plot(r["seq_len"], r["speedup"], marker="o", label=config)
-        line = mem_ax.plot(r["seq_len"], r["memory_ratio"], marker="o", label=f"{config}: peak")[0]
-        mem_ax.plot(r["seq_len"], r["activations_ratio"], marker=".", linestyle=":", color=line.get_color(),
+            speed_ax.plot(r["seq_len"], r["speedup"], marker="o", label=config, color=color)
+        mem_ax.plot(r["seq_len"], r["memory_ratio"], marker="o", label=f"{config}: peak", color=color)
+        mem_ax.plot(r["seq_len"], r["activations_ratio"], marker=".", linestyle=":", color=color,
                     label=f"{config}: activations")
     for cp in sorted(ratios["cp_size"].unique()):
         mem_ax.axhline(1.0 / cp, color="grey", linestyle="--", label=f"ideal activations 1/{cp}")
@@ -133,7 +165,7 @@ def scaling_figure(frame: pd.DataFrame) -> Figure:
         _empty(speed_ax, "no speed-up: no point was timed (a projection has no time)")
     for ax in axes:
         _seq_axis(ax)
-        ax.legend(fontsize="small")
+    _legend(mem_ax)
     return fig
 
 
@@ -152,10 +184,11 @@ def breakdown_figure(frame: pd.DataFrame) -> Figure:
         values = ok[column].fillna(0).to_numpy(dtype=float) / GIB
         ax.bar(x, values, bottom=bottom, label=label)
         bottom += values
-    ax.set_xticks(x, [f"{c}\n{s}" for c, s in zip(ok["config"], ok["seq_len"])], rotation=90, fontsize="small")
+    ax.set_xticks(x, [f"{c}\n{seq_label(s)}" for c, s in zip(ok["config"], ok["seq_len"])], rotation=90,
+                  fontsize="small")
     ax.set_ylabel("GiB (rank with the highest peak)")
     ax.set_title("Memory breakdown at the peak" + measurement_note(frame))
-    ax.legend(fontsize="small")
+    _legend(ax)
     return fig
 
 
@@ -177,9 +210,10 @@ def parity_figure(frame: pd.DataFrame) -> Figure:
     ax.axhline(1.0, color="red", linestyle="--", label="tolerance")
     ax.set_yscale("log")
     ax.set_ylabel(f"error / tolerance (0 drawn at {FLOOR:g})")
-    ax.set_xticks(x, [f"{c}\n{s}" for c, s in zip(judged["config"], judged["seq_len"])], rotation=90, fontsize="small")
+    ax.set_xticks(x, [f"{c}\n{seq_label(s)}" for c, s in zip(judged["config"], judged["seq_len"])], rotation=90,
+                  fontsize="small")
     ax.set_title("Parity against the unsharded reference")
-    ax.legend(fontsize="small")
+    _legend(ax)
     return fig
 
 
@@ -215,12 +249,14 @@ def png_bytes(fig: Figure, dpi: int = 100) -> bytes:
 
 
 def save_all(frame: pd.DataFrame, out_dir: str | Path, capacity: float | None = None) -> dict[str, Path]:
-    """Every figure as `<out_dir>/<name>.png`; returns name -> path."""
+    """Every figure that has something to show as `<out_dir>/<name>.png`; returns name -> path."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {}
     for name, draw in FIGURES.items():
         fig = draw(frame, capacity) if name == "memory" else draw(frame)
+        if not any(ax.axison for ax in fig.axes):  # nothing to show (e.g. the time of a projection): not written
+            continue
         paths[name] = out_dir / f"{name}.png"
         fig.savefig(paths[name], dpi=100)
     from .peers import has_peers, peers_figure

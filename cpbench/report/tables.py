@@ -1,6 +1,7 @@
 """The comparison table users know: rows are sequence lengths, columns are cp sizes (and the backend, style or
-any other spec field the sweep varies), cells `<peak>, <median step> ms` (the peaks in one unit per table) with the parity verdict — or what
-happened instead (`out of memory`, `timeout`, `error`, `skipped`). The headline memory is the max over ranks.
+any other spec field the sweep varies), cells `<peak>, <median step> ms` (the peaks in one unit per table) with the
+parity verdict — or what happened instead (`out of memory`, `timeout`, `error`, `skipped`). The headline memory is
+the max over ranks.
 """
 
 from __future__ import annotations

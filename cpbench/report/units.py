@@ -59,6 +59,14 @@ def human_bytes(num_bytes) -> str:
     return f"{num_bytes:.0f} B"
 
 
+def seq_label(tokens: float) -> str:
+    """16384 -> '16k', 1048576 -> '1M', 1536 -> '1.5k', 512 -> '512' (binary k and M, as lengths are given)."""
+    for size, suffix in ((1 << 20, "M"), (1 << 10, "k")):
+        if tokens >= size:
+            return f"{tokens / size:g}{suffix}"
+    return f"{tokens:g}"
+
+
 def ms(seconds) -> str:
     """`45.6 ms`."""
     return "–" if _missing(seconds) else f"{sig(seconds * 1e3)} ms"
