@@ -22,7 +22,8 @@ count), one call per tile. The efficient kernel wants equal head counts: it is c
 that head's k/v expanded to its query heads (a copy of one kv head per call, not of the whole block), and dk/dv are
 summed back over the group. Outputs and the LSE go to the accumulation dtype for the merge.
 
-On CPU this runs against strict emulations of the four ops (tests/unit/test_ring_cuda.py); a projection
+On CPU this runs against emulations of the six ops written from their sources (tests/emulation/, used by
+tests/unit/test_ring_cuda.py, test_ring_contracts.py and tests/dist/test_ring_cuda_models.py); a projection
 (`cpbench estimate`) runs the real ops' meta kernels, so it sees what they allocate.
 """
 
@@ -73,10 +74,14 @@ class CudaSdpaKernel:
         self.ops = ops or aten_ops()
         self.softcap = None  # the selector sends soft-capped models to TorchKernel
         self.bias_block_bytes = bias_block_bytes
-        self.flash = tuple(capability) >= FLASH_MIN_CAPABILITY
         self.capability = tuple(capability)
         self._exact = TorchKernel()
         self._varlen = VarlenOps(self._varlen_forward, self._varlen_backward)
+
+    @property
+    def flash(self) -> bool:
+        """Whether this GPU runs the flash kernels (Ampere and newer)."""
+        return self.capability >= FLASH_MIN_CAPABILITY
 
     def takes_segments(self, q: torch.Tensor) -> bool:
         """Whether this layer's masked tiles can come as SEGMENTS (the flash kernel's GPUs, dtypes and head dims)."""
