@@ -20,7 +20,7 @@ from cpbench.cp.layout import SequenceLayout
 from cpbench.cp.loss.chunked import check_loss
 from cpbench.cp.mesh import CPDeviceMesh, build_mesh
 from cpbench.cp.plan import ResolvedPlan, attention_style, default_cp_plan, merge_plan, refusal_reason, resolve_plan
-from cpbench.cp.split import RotaryCuts, make_split_hook
+from cpbench.cp.split import LOCAL_EMBEDDING_FAMILIES, LocalEmbedding, RotaryCuts, make_split_hook
 from cpbench.cp.usp import usp_attention
 
 
@@ -100,8 +100,11 @@ def apply_context_parallel(
     if getattr(model, "cp_state", None) is not None:  # use_loss() before parallelize(): keep the choice
         state.loss = model.cp_state.loss
     rotary_cuts = RotaryCuts()
+    local_embedding = _local_embedding(model, state)
+    if local_embedding is not None:
+        local_embedding.feed(model.get_submodule(plan.first_split))
     for name in plan.split_modules:
-        hook = make_split_hook(name == plan.first_split, state, rotary_cuts)
+        hook = make_split_hook(name == plan.first_split, state, rotary_cuts, local_embedding)
         model.get_submodule(name).register_forward_pre_hook(hook, with_kwargs=True)
     for name, style_name in plan.attention_modules.items():
         style = attention_style(style_name)
@@ -115,6 +118,17 @@ def apply_context_parallel(
     model.cp_state = state
     model.generate = refuse_generate
     return model
+
+
+def _local_embedding(model: torch.nn.Module, state: ForwardState) -> LocalEmbedding | None:
+    """The input embedding on this rank's ids only, where the family allows it (split.LOCAL_EMBEDDING_FAMILIES)."""
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if getattr(model.config, "model_type", None) not in LOCAL_EMBEDDING_FAMILIES or embedding is None:
+        return None
+    local = LocalEmbedding(state)
+    embedding.register_forward_pre_hook(local.before, with_kwargs=True)
+    embedding.register_forward_hook(local.after, with_kwargs=True)
+    return local
 
 
 def use_loss(model: torch.nn.Module, loss: str) -> torch.nn.Module:

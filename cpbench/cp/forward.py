@@ -26,6 +26,9 @@ class ForwardState:
         self.make_layout = make_layout
         self.layout: SequenceLayout | None = None
         self.loss = "full"  # or "chunked" (cp/loss/chunked.py), "liger" (cp/loss/liger.py); set by `cpbench.use_loss`
+        # the embedding on this rank's ids (split.LocalEmbedding); off for a forward that returns every hidden state,
+        # whose first one is the whole embedding
+        self.local_embedding = True
 
     @contextlib.contextmanager
     def active(self, layout: SequenceLayout):
@@ -87,6 +90,7 @@ def wrap_forward(model, state: ForwardState, group, *, causal_lm: bool):
         facts = BatchFacts(seq_len, given.get("attention_mask"), given.get("position_ids"))
         layout = state.make_layout(seq_len, facts=facts)
         head = HeadInput(model) if causal_lm and labels is not None and state.loss != "full" else None
+        state.local_embedding = not kwargs.get("output_hidden_states")
         with state.active(layout), (head.capture() if head else contextlib.nullcontext()):
             out = forward(input_ids, *args, **kwargs)
         if head is not None:

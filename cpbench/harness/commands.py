@@ -48,8 +48,14 @@ def register(subparsers) -> None:
     est.add_argument("--device-memory", default=None,
                      help="capacity per rank, e.g. 80GiB: a point whose projected peak passes it is `oom` "
                           "(default: the suite's memory_budget)")
+    est.add_argument("--host-memory", default=None,
+                     help="host memory per node, e.g. 2TiB: a point whose node's ranks hold more on the host "
+                          "(offloaded checkpoints, parameters, gradients, optimizer state) is `oom` (default: none)")
+    est.add_argument("--gpus-per-node", type=int, default=8,
+                     help="ranks per node, for --host-memory: ranks 0..N-1 share node 0's host memory (default 8)")
     est.add_argument("--max-seq", action="store_true",
-                     help="per configuration, search the largest length that fits the capacity (see --granularity)")
+                     help="per configuration, search the largest length that fits both capacities (see "
+                          "--granularity)")
     est.add_argument("--granularity", type=int, default=1024, help="tokens: the --max-seq search's step (1024)")
     est.add_argument("--jobs", type=int, default=None,
                      help="worker processes, one (point, rank) projection each (default: the CPUs, at most 8)")
@@ -177,7 +183,7 @@ def sweep_command_for(args) -> int:
 
 
 def _quick_suite(args):
-    from cpbench.harness.suite.spec import Suite, load_suite
+    from cpbench.harness.suite.spec import load_suite
 
     if args.suite is not None:
         if args.model is not None:
@@ -248,7 +254,8 @@ def estimate_command(args) -> int:
     try:
         suite = _quick_suite(args)
         opts = EstimateOptions(suite=suite, out=args.out, run=args.run, device_memory=args.device_memory,
-                               max_seq=args.max_seq, granularity=args.granularity, jobs=args.jobs)
+                               host_memory=args.host_memory, gpus_per_node=args.gpus_per_node, max_seq=args.max_seq,
+                               granularity=args.granularity, jobs=args.jobs)
         run_dir = run_estimate(opts, on_row=lambda row: print(f"  {row['point_id']}: {row['status']}", flush=True))
     except ValueError as e:
         print(f"cpbench estimate: {e}", file=sys.stderr)
@@ -258,6 +265,9 @@ def estimate_command(args) -> int:
     if df["memory_budget_bytes"].isna().all():
         print("\nno capacity given (--device-memory, or the suite's memory_budget): no point was checked against a "
               "device's memory, so `ok` says only that the step projected; give --device-memory 80GiB to check.")
+    if (df["host_node_peak_bytes"].fillna(0) > 0).any() and df["host_memory_budget_bytes"].isna().all():
+        print("no host capacity given (--host-memory): the host memory of a node (host/node) was not checked; give "
+              "--host-memory 2TiB to check.")
     if args.max_seq:
         fits = largest_fit(df)
         print("\nlargest length that fits (projected), per configuration:")

@@ -15,7 +15,8 @@ import pyarrow as pa
 # 3: a row is `measured` or `projected` (`measurement`); the step keeps only the loss through backward unless
 #    `keep_outputs`; the parity step is no longer tracked; `temporaries_bytes` and the collectives of one step
 #    (`comm_*`) are new.
-SCHEMA_VERSION = 6
+# 7: host memory and transfers of the offload levers (`host_*`, `d2h_bytes`, `h2d_bytes`).
+SCHEMA_VERSION = 7
 MEASUREMENTS = ("measured", "projected")
 
 STATUSES = ("ok", "oom", "error", "timeout", "skipped")
@@ -90,6 +91,22 @@ COLUMNS: dict[str, tuple[pa.DataType, str]] = {
                           "everything else)"),
     "temporaries_bytes": (pa.int64(), "tensors made in backward that are not gradients, at that rank's peak "
                           "(null on CUDA, where only at-rest sizes are known)"),
+    # host memory and transfers (the offload levers; measure/host.py)
+    "host_peak_bytes": (pa.int64(), "host memory one rank holds for the step at its peak, max over ranks: "
+                        "offloaded checkpoints, parameters, gradients, optimizer state, and the host optimizer "
+                        "step's temporaries"),
+    "host_peak_bytes_per_rank": (_LIST_I64, "host_peak_bytes of each rank"),
+    "host_node_peak_bytes": (pa.int64(), "the most host memory one node's ranks hold together (the sum of their "
+                             "host peaks: the ranks step in lockstep), max over nodes"),
+    "host_params_bytes": (pa.int64(), "parameters on the host, at the host peak of the rank with the highest one"),
+    "host_grads_bytes": (pa.int64(), "gradients on the host, at that peak"),
+    "host_optimizer_bytes": (pa.int64(), "optimizer state (and the optimizer step's temporaries) on the host, at that "
+                             "peak"),
+    "host_activations_bytes": (pa.int64(), "offloaded checkpoints on the host, at that peak"),
+    "d2h_bytes": (pa.int64(), "bytes one rank copies device to host in one step, max over ranks"),
+    "h2d_bytes": (pa.int64(), "bytes one rank copies host to device in one step, max over ranks"),
+    "host_memory_budget_bytes": (pa.int64(), "the host capacity per node a point is judged against "
+                                 "(--host-memory; null: none)"),
     "memory_budget_bytes": (pa.int64(), "the capacity a point is judged against (--memory-budget, --device-memory "
                             "or the suite's memory_budget; null: none)"),
     # collectives of one tracked step, max over ranks (collectives.py)

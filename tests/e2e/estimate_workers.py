@@ -11,7 +11,9 @@ from cpbench.harness.project import projection
 from cpbench.harness.run import worker
 from cpbench.harness.suite.spec import Point
 
-KEEP = ("peak_bytes", "params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "temporaries_bytes")
+KEEP = ("peak_bytes", "params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "temporaries_bytes",
+        "host_peak_bytes", "d2h_bytes", "h2d_bytes", "host_params_bytes", "host_grads_bytes", "host_optimizer_bytes",
+        "host_activations_bytes")
 
 
 def _columns(record: dict) -> dict:

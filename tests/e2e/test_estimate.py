@@ -45,6 +45,9 @@ def matrix():
                       'attn_implementations = ["sdpa"]\ncp_styles = ["cp_ring_zigzag"]\n')
     points += _points('model = "tiny-qwen3"\nseq_lens = [256]\ncp_sizes = [2]\nactivation_checkpointing = true\n'
                       'batch_kind = "packed"\nattn_implementations = ["sdpa"]\ncp_styles = ["cp_ring_zigzag"]\n')
+    points += _points('model = "tiny-llama"\nseq_lens = [256]\ncp_sizes = [2]\nactivation_checkpointing = true\n'
+                      'recompute_every_n_layers = 1\noffload_activations = true\noffload_params = true\n'  # host.py
+                      'attn_implementations = ["sdpa"]\ncp_styles = ["cp_ring"]\n')
     points += _points('model = "tiny-qwen3"\nseq_lens = [256]\ncp_sizes = [2]\nmixed_precision = true\n'  # fp32 masters
                       'dtype = "bfloat16"\nattn_implementations = ["sdpa"]\ncp_styles = ["cp_ulysses"]\n')
     return points
@@ -73,6 +76,8 @@ def test_projected_equals_measured_on_every_rank(both, point_id):
     for rank, measured in result["measured"].items():
         assert result["projected"][rank] == measured, (rank, measured, result["projected"][rank])
     assert all(r["peak_bytes"] > 0 for r in result["measured"].values())
+    offloads = "offload-act" in point_id or "offload-params" in point_id
+    assert all((r["host_peak_bytes"] > 0) == offloads for r in result["measured"].values())
 
 
 def test_the_matrix_covers_every_style_batch_kind_and_tie():
@@ -81,6 +86,7 @@ def test_the_matrix_covers_every_style_batch_kind_and_tie():
     assert {p.batch_kind for p in points} == {"plain", "packed", "padded"}
     assert {p.preset for p in points} >= {"tiny-qwen3", "tiny-llama"}  # tied and untied
     assert {p.loss_mode for p in points} == {"full", "chunked"}
+    assert any(p.offload_activations and p.offload_params for p in points)  # the host side held equal too
 
 
 # Qwen3-0.6B's widths (hidden 1024, 16 query / 8 kv heads of 128, MLP 3072) with 2 layers at 2k tokens. The

@@ -58,3 +58,17 @@ def test_it_never_holds_the_full_logits():
 def test_an_unknown_loss_names_the_choices():
     with pytest.raises(ValueError, match="'full'.*'chunked'"):
         check_loss("fused")
+
+
+def test_at_most_max_chunks_chunks(monkeypatch):
+    """One row a chunk asked for, 1000 rows: the chunks grow so that there are at most MAX_CHUNKS of them."""
+    from cpbench.cp.loss import chunked
+
+    calls = []
+    real = chunked.checkpoint
+    monkeypatch.setattr(chunked, "checkpoint", lambda fn, h, *a, **k: calls.append(h.shape[0]) or real(fn, h, *a, **k))
+    hidden = torch.randn(1000, 8, requires_grad=True)
+    weight = torch.randn(32, 8)
+    got = chunked_cross_entropy_sum(hidden, weight, torch.randint(0, 32, (1000,)), chunk_bytes=1)
+    assert len(calls) == -(-1000 // 4) == 250 and sum(calls) == 1000  # 4 rows a chunk: 1000 / 256 rounded up
+    assert len(calls) <= chunked.MAX_CHUNKS and got.isfinite()

@@ -65,6 +65,23 @@ def test_tiling_lowers_the_tracked_peak():
     assert plain - tiled >= intermediate, (plain, tiled)
 
 
+def test_the_norm_that_feeds_the_mlp_joins_the_tile():
+    """Llama: `mlp(post_attention_layernorm(h))`; the norm's call moves into the tiles (its weight stays put), so its
+    fp32 [tokens, hidden] temporaries exist per tile too: the peak drops by more than the MLP's own share."""
+    model = cpbench.use_tiled_mlp(_model(num_hidden_layers=1), 8)
+    layer = model.model.layers[0]
+    x = torch.randn(1, 5, 64)
+    assert torch.equal(layer.post_attention_layernorm(x), x)  # its own call passes the input on
+    assert layer.mlp._cpbench_tiled_mlp.norm is not None and "model.layers.0.post_attention_layernorm.weight" in \
+        dict(model.named_parameters())
+    assert torch.equal(layer.input_layernorm(x), _model(num_hidden_layers=1).model.layers[0].input_layernorm(x))
+    ids = torch.randint(0, 64, (1, 1024), generator=torch.Generator().manual_seed(2))
+    mlp_only = cpbench.use_tiled_mlp(_model(num_hidden_layers=1), 8)
+    mlp_only.model.layers[0].mlp._cpbench_tiled_mlp.norm = None  # the MLP alone in the tile, the norm called whole
+    del mlp_only.model.layers[0].post_attention_layernorm.forward
+    assert _peak(model, ids) < _peak(mlp_only, ids)
+
+
 def test_auto_tiles_keep_a_tile_within_the_bound():
     assert auto_tiles(1024, 14336, 2) == 1
     assert auto_tiles(512 * 1024, 14336, 2) == 14  # 14 GiB of [tokens, intermediate] in 1 GiB tiles

@@ -5,8 +5,8 @@ gradients: at 16k tokens and a 152k vocabulary about 27 GiB. Here the model's ou
 empty slice of the final hidden states (a forward pre-hook on the head, after FSDP's own, so the head's weights
 are gathered as usual), and the loss is computed from the hidden states in chunks of tokens: each chunk's logits
 (with the model's final soft-capping) are made in fp32, reduced to a sum of cross-entropies and dropped, and
-recomputed in backward (activation checkpointing per chunk). At most one chunk's logits and their gradient exist
-at a time; the sum over chunks is the full loss's sum in another order (fp32 rounding only). `out.logits` is None
+recomputed in backward (activation checkpointing per chunk). Chunks hold 256 MiB of fp32 logits, or more where
+that would make more than 256 chunks. At most one chunk's logits and their gradient exist at a time; the sum over chunks is the full loss's sum in another order (fp32 rounding only). `out.logits` is None
 with this loss: ask for the full loss to get logits.
 """
 
@@ -21,6 +21,10 @@ from torch.utils.checkpoint import checkpoint
 from cpbench.cp.loss.causal_lm import IGNORE_INDEX
 
 CHUNK_BYTES = 1 << 28  # fp32 logits of one chunk: 256 MiB (441 tokens of a 152k vocabulary)
+# ... or larger chunks where 256 MiB ones would be more than this many: each chunk is a sequence of kernels and a
+# checkpoint, and past this count the chunk's logits are small beside the rest of the step (at 512k tokens a rank
+# and a 128k vocabulary: 256 chunks of 1 GiB, where the step's peak is tens of GiB).
+MAX_CHUNKS = 256
 LOSSES = ("full", "chunked", "liger")  # "liger": Liger-Kernel's fused kernels (cp/loss/liger.py), an optional extra
 
 
@@ -50,7 +54,7 @@ def chunked_cross_entropy_sum(
     """Sum over every position of cross_entropy(hidden @ weight.T, target), -100 ignored, one chunk at a time."""
     hidden_nh = hidden_bsh.reshape(-1, hidden_bsh.shape[-1])
     targets_n = targets_bs.reshape(-1)
-    rows = max(1, chunk_bytes // (4 * weight_vh.shape[0]))
+    rows = max(1, chunk_bytes // (4 * weight_vh.shape[0]), -(-hidden_nh.shape[0] // MAX_CHUNKS))
     total = hidden_nh.new_zeros((), dtype=torch.float32)
     for start in range(0, hidden_nh.shape[0], rows):
         part = slice(start, start + rows)

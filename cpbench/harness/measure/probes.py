@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from cpbench.harness.measure.host import HOST, HostLedger, new_storages
 from cpbench.harness.measure.nvml import NvmlSampler, nvml_handle  # noqa: F401 - the NVML part of the probes lives there
 
 BREAKDOWN = ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "temporaries_bytes")
@@ -39,23 +40,57 @@ def _mem_tracker_class():
     from torch.distributed._tools.mem_tracker import MemTracker
 
     class BudgetMemTracker(MemTracker):
-        """MemTracker that keeps only the global peak, and raises torch.OutOfMemoryError when live bytes pass
-        `budget`. MemTracker also updates every module's own peak after every op; cpbench reads none of them,
-        and that update was 85 % of a projected Qwen3-0.6B step's time."""
+        """MemTracker that keeps only the global peak, raises torch.OutOfMemoryError when the device's live bytes
+        pass `budget`, and keeps host memory apart (host.py): storages moved `to_host`, and those allocated in a
+        `host_phase`, are counted under the HOST key. MemTracker also updates every module's own peak after every op;
+        cpbench reads none of them, and that update was 85 % of a projected Qwen3-0.6B step's time."""
 
         budget: int | None = None
+        _in_host_phase = False
+        _peak_due = None  # set while an op runs: the tracker's peak update waits until its outputs are placed
 
         def _update_peak_stats(self, peak_state) -> None:
+            if self._peak_due is not None:
+                self._peak_due = True
+                return
             for dev, snap in self._curr_mem_snap.items():
                 if self._peak_mem.get(dev, 0) < snap["Total"]:
                     self._peak_mem[dev] = snap["Total"]
                     self._peak_mem_snap[dev] = dict(snap)
 
+        def to_host(self, tensor: torch.Tensor, storages=None) -> None:
+            from torch.distributed._tools.mem_tracker import _UpdateType
+
+            for st in storages if storages is not None else new_storages(tensor, ()):
+                winfo, _ = self._WINFO.get(st, (None, None))
+                if winfo is not None and winfo.device != HOST:
+                    if winfo.mem_consumed > 0:
+                        self._update_snap(_UpdateType.DEL, winfo)
+                    winfo.device = HOST
+                    if winfo.mem_consumed > 0:
+                        self._update_snap(_UpdateType.ADD, winfo)
+
+        @contextlib.contextmanager
+        def host_phase(self):
+            outer, self._in_host_phase = self._in_host_phase, True
+            try:
+                yield
+            finally:
+                self._in_host_phase = outer
+
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = super().__torch_dispatch__(func, types, args, kwargs)
+            self._peak_due = False
+            try:
+                out = super().__torch_dispatch__(func, types, args, kwargs)
+            finally:
+                due, self._peak_due = self._peak_due, None
+            if due:
+                if self._in_host_phase:
+                    self.to_host(out, new_storages(out, (args, kwargs)))
+                self._update_peak_stats(None)
             if self.budget is not None:
-                for snap in self._curr_mem_snap.values():
-                    if snap["Total"] > self.budget:
+                for dev, snap in self._curr_mem_snap.items():
+                    if dev != HOST and snap["Total"] > self.budget:
                         raise torch.OutOfMemoryError(
                             f"live tensor bytes {snap['Total']} passed the memory budget of {self.budget} bytes "
                             f"(at {func})"
@@ -105,6 +140,7 @@ class CpuMemoryProbe:
         self.model, self.optimizer = model, optimizer
         self.track_state()
         self.peaks = SegmentPeaks()
+        self.host = HostLedger(self.tracker)
 
     def track_state(self) -> None:
         """Counts the parameters and the optimizer state as they are now: made outside any segment (step 0 creates
@@ -114,15 +150,17 @@ class CpuMemoryProbe:
     @contextlib.contextmanager
     def segment(self, repeat: str | None = None):
         self.tracker.reset_mod_stats()  # MemTracker keeps per-module stats of one iteration only
+        self.host.reset_step()
         with no_gc(), self.tracker:
             yield
-        snaps = list(self.tracker.get_tracker_snapshot("peak").values())
-        if snaps:  # none only if nothing was ever tracked; a 0 would win the repeats' minimum
-            snap = max(snaps, key=lambda s: s["Total"])
-            self.peaks.add(snap["Total"], dict(snap), repeat)
+        peaks = self.tracker.get_tracker_snapshot("peak")
+        host = peaks.pop(HOST, None)
+        if peaks:  # none only if nothing was ever tracked; a 0 would win the repeats' minimum
+            snap = max(peaks.values(), key=lambda s: s["Total"])
+            self.peaks.add(snap["Total"], (dict(snap), host, self.host.d2h_bytes, self.host.h2d_bytes), repeat)
 
     def result(self) -> dict:
-        p = self.peaks.top() or {"Total": 0}
+        p, host, self.host.d2h_bytes, self.host.h2d_bytes = self.peaks.top() or ({"Total": 0}, None, 0, 0)
         params = p.get("Parameter", 0) + p.get("Buffer", 0)
         grads, opt, temp = p.get("Gradient", 0), p.get("Optstate", 0), p.get("Temp", 0)
         return {
@@ -130,7 +168,7 @@ class CpuMemoryProbe:
             "params_bytes": params, "grads_bytes": grads, "optimizer_bytes": opt, "temporaries_bytes": temp,
             "activations_bytes": p["Total"] - params - grads - opt - temp,
             "breakdown_source": "MemTracker snapshot at the peak",
-            "notes": self.peaks.notes(),
+            "notes": self.peaks.notes(), **self.host.columns(host),
         }
 
 
@@ -144,12 +182,14 @@ class CudaMemoryProbe:
         self.reserved = 0
         self.peaks = SegmentPeaks()
         self.sampler = NvmlSampler(self.device)
+        self.host = HostLedger()
         torch.cuda.reset_accumulated_memory_stats(self.device)
 
     @contextlib.contextmanager
     def segment(self, repeat: str | None = None):
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
+        self.host.reset_step()
         with no_gc(), self.sampler:
             yield
             torch.cuda.synchronize(self.device)
@@ -177,6 +217,7 @@ class CudaMemoryProbe:
             "activations_bytes": max(0, self.peak - params - grads - opt),
             "breakdown_source": "at-rest sizes; activations = peak - the rest",
             "notes": ([self.sampler.error] if self.sampler.error else []) + self.peaks.notes(),
+            **self.host.columns(None),
         }
 
 

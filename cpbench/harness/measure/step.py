@@ -97,7 +97,8 @@ def _parallelize(model, point: Point, mesh, kernel_device):
 def make_optimizer(model: torch.nn.Module, point: Point) -> torch.optim.Optimizer:
     # torch picks foreach kernels for CUDA parameters and the per-tensor loop for CPU ones; a projection of a CUDA
     # point (CPU fake tensors) must hold the foreach temporaries that CUDA would, so the choice follows the point.
-    return torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=point.device == "cuda")
+    # With parameter offload the optimizer runs on the host's copies: the per-tensor loop, as torch picks for CPU.
+    return torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=point.device == "cuda" and not point.offload_params)
 
 
 def forward(model, batch: dict):
@@ -126,7 +127,8 @@ def tracked_steps(point: Point, model, optimizer, batch, probe, steps: int | Non
     steps = point.warmup_steps if steps is None else steps
     probe.track_state()  # the optimizer state that step 0 made
     counter = CollectiveCounter()
-    for i in range(steps):
-        with probe.segment(repeat="step"), (counter if i == steps - 1 else contextlib.nullcontext()):
-            train_step(model, optimizer, batch, point.keep_outputs)
+    with probe.host.levers(point, model, optimizer):  # what the offload levers hold on the host, and move (host.py)
+        for i in range(steps):
+            with probe.segment(repeat="step"), (counter if i == steps - 1 else contextlib.nullcontext()):
+                train_step(model, optimizer, batch, point.keep_outputs)
     return counter.columns()

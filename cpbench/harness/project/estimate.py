@@ -1,8 +1,9 @@
 """`cpbench estimate`: a suite's points projected, not measured (projection.py), into the same Parquet schema.
 
 Every row is `measurement = "projected"`: status `ok`, `oom` when the projected per-rank peak passes the capacity
-(`--device-memory`, else the suite's `memory_budget`), `skipped` with why (a backend whose kernels cannot run on
-fake tensors, a longer length of a configuration already out of memory), or `error` with the message: one point
+(`--device-memory`, else the suite's `memory_budget`) or a node's ranks together hold more host memory than
+`--host-memory` (`status_detail` says which side, by how much), `skipped` with why (a backend whose kernels cannot
+run on fake tensors, a longer length of a configuration already out of memory), or `error` with the message: one point
 that fails is recorded and the others go on. `--max-seq` searches, per configuration, the largest length that
 fits (max_seq.py).
 
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cpbench.harness.measure.env import fingerprint
-from cpbench.harness.project.projection import project_rank, projected_ranks
+from cpbench.harness.project.projection import project_rank, projected_ranks, stand_in
 from cpbench.harness.run import rows
 from cpbench.harness.run.skips import SkipRules
 from cpbench.harness.run.sweep import pick_run_dir
@@ -37,6 +38,8 @@ class EstimateOptions:
     out: Path = Path("results")
     run: str | None = None
     device_memory: str | None = None
+    host_memory: str | None = None  # per node
+    gpus_per_node: int = 8
     max_seq: bool = False
     granularity: int = 1024
     jobs: int | None = None  # worker processes (default: the CPUs, at most 8); 1: in this process
@@ -45,10 +48,11 @@ class EstimateOptions:
 class Estimator:
     """The run being written: one row per point, with the skip rules learned from what is written."""
 
-    def __init__(self, run_dir: Path, suite: Suite, capacity: int | None, on_row=None):
+    def __init__(self, run_dir: Path, suite: Suite, capacity: int | None, on_row=None, host_capacity: int | None = None,
+                 gpus_per_node: int = 8):
         self.run_dir, self.suite, self.capacity, self.on_row = run_dir, suite, capacity, on_row
         self.ctx = {"run_id": run_dir.name, "env": fingerprint(suite.device), "budget": capacity,
-                    "measurement": "projected"}
+                    "host_budget": host_capacity, "gpus_per_node": gpus_per_node, "measurement": "projected"}
         self.rules = SkipRules()
 
     def skip(self, point: Point) -> dict | None:
@@ -61,9 +65,12 @@ class Estimator:
             row = rows.outcome_row(point, "error", f"projection failed: {error}", wall_s, **self.ctx)
         else:
             by_rank = {r["rank"]: r for r in records}
-            ranks = [{**by_rank[r % point.cp_size if len(by_rank) > 1 else 0], "rank": r}
-                     for r in range(point.world_size)]
+            ranks = [{**by_rank[stand_in(point, r)], "rank": r} for r in range(point.world_size)]
             row = rows.measured_row(point, ranks, wall_s, **self.ctx)
+            if 1 < len(by_rank) < point.cp_size:  # sampled (rank 0 alone stands for identical ranks: no note)
+                note = (f"projected cp ranks {', '.join(map(str, sorted(by_rank)))} of {point.cp_size}; each other "
+                        f"rank repeats the nearest projected cp rank below its own (projection.projected_ranks)")
+                row["status_detail"] = "; ".join(filter(None, [row["status_detail"], note]))
         return self.write(point, row)
 
     def write(self, point: Point, row: dict) -> dict:
@@ -89,14 +96,18 @@ def run_estimate(opts: EstimateOptions, on_row=None) -> Path:
     """Projects a suite (or, with `max_seq`, searches its largest lengths); returns the run folder."""
     suite = opts.suite if isinstance(opts.suite, Suite) else resolve_suite(opts.suite)
     capacity = capacity_of(opts, suite)
+    host_capacity = parse_bytes(opts.host_memory, field_name="--host-memory") if opts.host_memory else None
     if opts.max_seq and capacity is None:
         raise ValueError("--max-seq needs a capacity: pass --device-memory (e.g. 80GiB) or set the suite's "
                          "memory_budget.")
+    if opts.gpus_per_node < 1:
+        raise ValueError(f"--gpus-per-node {opts.gpus_per_node}: give at least 1 (ranks that share a node's host "
+                         "memory).")
     jobs = opts.jobs if opts.jobs is not None else min(os.cpu_count() or 1, 8)
     if jobs < 1:
         raise ValueError(f"--jobs {jobs}: give at least 1 (worker processes; 1 projects in this process).")
     run_dir = pick_run_dir(Path(opts.out) / suite.name, opts.run, resume=False)
-    estimator = Estimator(run_dir, suite, capacity, on_row)
+    estimator = Estimator(run_dir, suite, capacity, on_row, host_capacity, opts.gpus_per_node)
     if opts.max_seq:
         from cpbench.harness.project.max_seq import chains
 

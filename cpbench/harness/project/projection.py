@@ -21,7 +21,6 @@ import contextlib
 import gc
 import time
 
-import torch
 import torch.distributed as dist
 
 from cpbench.harness.measure import step
@@ -109,13 +108,28 @@ def project_rank(point: Point, rank: int) -> dict:
 
 
 def projected_ranks(point: Point) -> list[int]:
-    """The cp ranks a projection runs (the others repeat one of them). Ranks that differ only in their fsdp or
-    replicate index hold equal shards and run the same step on another batch: the same memory. Within a cp
-    group, the ranks of a plain batch under Ulysses, or under zigzag ring attention, hold the same shapes and do
-    the same work at every step (zigzag's point), so rank 0 stands for all; the contiguous ring (its ranks skip
-    different tiles), packed or padded batches (their masks differ per rank) and lengths the layout pads (the last
-    rank's slice is short) project every cp rank."""
-    chunks = {"cp_ulysses": point.cp_size, "cp_ring_zigzag": 2 * point.cp_size}.get(point.cp_style)
-    if chunks and point.batch_kind == "plain" and point.seq_len % chunks == 0:
+    """The cp ranks a projection runs; `stand_in` says which of them each other rank repeats.
+
+    Ranks that differ only in their fsdp or replicate index hold equal shards and run the same step on another
+    batch: the same memory, so only cp ranks are ever projected. Within a cp group:
+    - a plain batch under Ulysses, or under zigzag ring attention, at a length that splits evenly: every rank holds
+      the same shapes and does the same work at every step (zigzag's point), so rank 0 stands for all;
+    - any other plain batch (the contiguous ring, whose ranks skip different tiles; USP; a length the layout pads,
+      which shortens the last rank's slice): the first, the middle and the last rank. Their work differs only with
+      the rank's place in the ring, and tests hold these three equal to every rank's projection;
+    - packed or padded batches: every cp rank (each rank's masks differ with where the documents and the padding
+      fall)."""
+    cp = point.cp_size
+    chunks = {"cp_ulysses": cp, "cp_ring_zigzag": 2 * cp}.get(point.cp_style)
+    if point.batch_kind != "plain":
+        return list(range(cp))
+    if chunks and point.seq_len % chunks == 0:
         return [0]
-    return list(range(point.cp_size))
+    return sorted({0, cp // 2, cp - 1})
+
+
+def stand_in(point: Point, rank: int) -> int:
+    """The projected cp rank whose record stands for global rank `rank` (cp is the innermost mesh dimension): the
+    nearest projected rank at or below its cp rank."""
+    cp_rank = rank % point.cp_size
+    return max(r for r in projected_ranks(point) if r <= cp_rank)

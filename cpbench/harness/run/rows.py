@@ -1,7 +1,9 @@
 """Per-rank records -> one row of the results schema. Every aggregation names its reducer:
 
 - memory: `max` over ranks, beside the per-rank list (never a sum, never rank 0 alone); the breakdown is the
-  one of the rank with the highest peak, so its parts add up to `peak_bytes`;
+  one of the rank with the highest peak, so its parts add up to `peak_bytes`. Host memory is the one sum: a node's
+  ranks share its host memory (`host_node_peak_bytes`: ranks r of a node are r // gpus_per_node alike; a measured
+  run on one machine is one node);
 - time: per measured step, the `max` over ranks (a step ends when its slowest rank ends); median and p10/p90
   of those;
 - parity: rank 0's comparison (it holds the gathered logits and full gradients).
@@ -19,7 +21,8 @@ from cpbench.harness.suite.spec import Point
 from cpbench.report.schema import SCHEMA_VERSION
 
 
-def base_row(point: Point, *, run_id: str, env: dict, budget: int | None, measurement: str = "measured") -> dict:
+def base_row(point: Point, *, run_id: str, env: dict, budget: int | None, measurement: str = "measured",
+             host_budget: int | None = None, gpus_per_node: int | None = None) -> dict:
     spec = point.to_dict()
     row = {c: spec[c] for c in (
         "suite", "model", "seq_len", "batch_size", "batch_kind", "cp_size", "fsdp_size", "dp_replicate_size",
@@ -38,7 +41,7 @@ def base_row(point: Point, *, run_id: str, env: dict, budget: int | None, measur
     row.update(
         schema_version=SCHEMA_VERSION, measurement=measurement, run_id=run_id, point_id=point.point_id, point_key=point.point_key,
         model_type=config.model_type, spec_json=json.dumps(spec, sort_keys=True), memory_budget_bytes=budget,
-        flops_per_step=flops,
+        host_memory_budget_bytes=host_budget, flops_per_step=flops,
         timestamp=now_iso(), **env,
     )
     return row
@@ -83,12 +86,13 @@ def measured_row(point: Point, records: list[dict], wall_s: float, **ctx) -> dic
         alloc_retries=_max_or_none(r["alloc_retries"] for r in records),
         params_bytes=top["params_bytes"], grads_bytes=top["grads_bytes"], optimizer_bytes=top["optimizer_bytes"],
         activations_bytes=top["activations_bytes"], temporaries_bytes=top.get("temporaries_bytes"),
-        **_comm_columns(records),
+        **_comm_columns(records), **_host_columns(records, ctx.get("gpus_per_node") or point.world_size),
     )
     moved = [name for name, on in (("activations", point.offload_activations), ("parameters and optimizer state",
                                     point.offload_params)) if on]
-    if moved and point.device == "cpu":  # the levers run, but host memory is where everything already lives
-        note = f"on CPU an offload moves nothing ({' and '.join(moved)} already live in host memory)"
+    if moved and point.device == "cpu" and row["measurement"] == "measured":
+        note = (f"on CPU an offload moves nothing ({' and '.join(moved)} already live in host memory): the host "
+                f"columns are cpbench's own accounting of what a GPU run would move, and RSS does not shrink")
         row["status_detail"] = "; ".join(filter(None, [row["status_detail"], note]))
     if row["measurement"] == "projected":
         row.update(parity_status="skipped", parity_detail="a projection computes no values: no parity")
@@ -99,11 +103,41 @@ def measured_row(point: Point, records: list[dict], wall_s: float, **ctx) -> dic
             why = no_peak_reason(ctx["env"].get("device_name"), point.dtype)
             row["status_detail"] = "; ".join(filter(None, [row["status_detail"], why]))
         row.update(records[0].get("parity") or {"parity_status": "error", "parity_detail": "rank 0 sent no parity"})
-    budget = ctx.get("budget")
-    if budget is not None and row["peak_bytes"] > budget:
-        why = f"peak {row['peak_bytes']} bytes > memory budget {budget} bytes"
-        row.update(status="oom", status_detail="; ".join(filter(None, [why, row["status_detail"]])))
+    over = over_capacity(row, ctx.get("budget"), ctx.get("host_budget"))
+    if over:
+        row.update(status="oom", status_detail="; ".join(filter(None, [over, row["status_detail"]])))
     return row
+
+
+def over_capacity(row: dict, budget: int | None, host_budget: int | None) -> str | None:
+    """Which side a row's peaks pass, and by how much (None: neither)."""
+    from cpbench.report.units import human_bytes
+
+    why = []
+    if budget is not None and row["peak_bytes"] > budget:
+        why.append(f"device: peak {row['peak_bytes']} bytes > memory budget {budget} bytes "
+                   f"(over by {human_bytes(row['peak_bytes'] - budget)})")
+    node = row.get("host_node_peak_bytes")
+    if host_budget is not None and node is not None and node > host_budget:
+        why.append(f"host: a node's ranks hold {node} bytes > host memory {host_budget} bytes per node "
+                   f"(over by {human_bytes(node - host_budget)})")
+    return "; ".join(why) or None
+
+
+HOST_PARTS = ("host_params_bytes", "host_grads_bytes", "host_optimizer_bytes", "host_activations_bytes")
+
+
+def _host_columns(records: list[dict], per_node: int) -> dict:
+    """Host peaks (max over ranks, and summed per node), the breakdown of the rank with the highest host peak, and
+    the step's transfers (max over ranks). Null where a record has none (a peer's op-level record)."""
+    peaks = [r.get("host_peak_bytes") for r in records]
+    if any(v is None for v in peaks):
+        return {}
+    top = records[peaks.index(max(peaks))]
+    nodes = [sum(peaks[i:i + per_node]) for i in range(0, len(peaks), per_node)]
+    return {"host_peak_bytes": max(peaks), "host_peak_bytes_per_rank": peaks, "host_node_peak_bytes": max(nodes),
+            **{k: top[k] for k in HOST_PARTS}, "d2h_bytes": max(r["d2h_bytes"] for r in records),
+            "h2d_bytes": max(r["h2d_bytes"] for r in records)}
 
 
 def _comm_columns(records: list[dict]) -> dict:

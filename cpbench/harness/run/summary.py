@@ -46,21 +46,27 @@ def _table(df) -> str:
 
 
 def projected_table(df) -> str:
-    """A projected run: what fits, the peak's breakdown, and what one step sends (no time, no parity). Each byte
-    column in one unit; a point that is not ok is marked, its whole reason below the table."""
+    """A projected run: what fits, the peak's breakdown, and what one step sends (no time, no parity); where an
+    offload lever put anything on the host, the host memory of a node and the bytes one rank copies between host and
+    device per step. Each byte column in one unit; a point that is not ok is marked, its whole reason (which side
+    ran out, by how much) below the table."""
     header = ["point (projected)", "status", "peak/rank", "params", "grads", "optimizer", "activations",
               "temporaries", "sent/step"]
     records = df.to_dict("records")
     for r in records:
         r["sent"] = sum(r.get(c) or 0 for c in r if c.startswith("comm_") and c.endswith("_bytes"))
-    byte_cols = ("peak_bytes", "params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes",
-                 "temporaries_bytes", "sent")
+        r["moved"] = (r.get("d2h_bytes") or 0) + (r.get("h2d_bytes") or 0)
+    byte_cols = ["peak_bytes", "params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes",
+                 "temporaries_bytes", "sent"]
+    if any((r.get("host_node_peak_bytes") or 0) > 0 for r in records):
+        header += ["host/node", "host<->device/step"]
+        byte_cols += ["host_node_peak_bytes", "moved"]
     unit = {c: byte_unit(r.get(c) for r in records) for c in byte_cols}
     notes, lines = _Notes(), []
     for r in records:
-        status = r["status"] if r["status"] in ("ok", "oom") else notes.mark(r["status"], r.get("status_detail"))
+        status = r["status"] if r["status"] == "ok" else notes.mark(r["status"], r.get("status_detail"))
         if r["status"] not in ("ok", "oom"):
-            r["sent"] = None
+            r["sent"] = r["moved"] = None
         lines.append([r["point_id"], status, *(in_unit(r.get(c), unit[c]) for c in byte_cols)])
     return notes.below(_render(header, lines))
 
@@ -73,7 +79,7 @@ class _Notes:
         self.texts: list[str] = []
 
     def mark(self, status: str, detail) -> str:
-        if not detail:
+        if not isinstance(detail, str) or not detail:  # None, or NaN in a frame
             return status
         text = str(detail)
         if text not in self.texts:
