@@ -62,3 +62,26 @@ def test_the_new_presets_have_their_published_sizes():
         4096, 36, 12288, 8)
     assert (llama.hidden_size, llama.num_hidden_layers, llama.intermediate_size, llama.num_attention_heads) == (
         8192, 80, 28672, 64)
+
+
+PHI3_PLAN = 'cp_plan = {"model.layers.*" = "cp_split_sequence", "model.layers.*.self_attn" = "cp_ulysses"}\n'
+
+
+def test_a_family_without_a_default_plan_runs_with_the_suites_cp_plan(tmp_path):
+    """Phi-3 has no default CP plan: with the suite's `cp_plan` its points exist, their model name carries the plan's
+    hash, each point's style goes on the plan's attention entries, and the step projects."""
+    from cpbench.harness.project.projection import project_rank
+
+    Phi3Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, pad_token_id=0).save_pretrained(tmp_path / "phi")
+    text = (f'model = "{tmp_path / "phi"}"\nseq_lens = [64]\ncp_sizes = [2]\nwarmup_steps = 1\nparity = "off"\n'
+            f'cp_styles = ["cp_ulysses", "cp_ring_zigzag"]\n')
+    points = load_suite("t.toml", text=text + PHI3_PLAN).points()
+    assert {p.cp_style for p in points} == {"cp_ulysses", "cp_ring_zigzag"}
+    assert all(p.model.startswith("phi+") and p.cp_plan["model.layers.*"] == "cp_split_sequence" for p in points)
+    record = project_rank(points[1], 0)
+    assert record["status"] == "ok" and record["peak_bytes"] > 0 and record["comm_p2p_count"] > 0  # the ring ran
+    with pytest.raises(SuiteErrors, match="cp_plan.*not registered"):
+        load_suite("t.toml", text=text + 'cp_plan = {"model.layers.*" = "cp_split_sequence", "x" = "cp_nope"}\n')
+    with pytest.raises(SuiteErrors, match="cp_plan.*needs a sequence split"):
+        load_suite("t.toml", text=text + 'cp_plan = {"model.layers.*.self_attn" = "cp_ulysses"}\n')

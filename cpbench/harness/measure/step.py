@@ -84,7 +84,11 @@ def distribute(model: torch.nn.Module, point: Point, mesh=None, kernel_device: s
 def _parallelize(model, point: Point, mesh, kernel_device):
     import cpbench
 
-    plan = {"model.layers.*.self_attn": point.cp_style} if point.cp_style != NO_STYLE else None
+    plan = None
+    if point.cp_style != NO_STYLE:  # the point's style on the attention entries (the suite's plan's, or the default's)
+        plan = dict(point.cp_plan)
+        attention = [k for k, v in plan.items() if v != "cp_split_sequence"] or ["model.layers.*.self_attn"]
+        plan.update(dict.fromkeys(attention, point.cp_style))
     config = cpbench.DistributedConfig(
         cp_size=point.cp_size, fsdp_size=point.fsdp_size, dp_replicate_size=point.dp_replicate_size, cp_plan=plan,
         cp_kernel_device=kernel_device, fsdp_mixed_precision=point.mixed_precision,

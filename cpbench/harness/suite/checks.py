@@ -11,7 +11,7 @@ import re
 
 from cpbench.harness.suite import grid_checks, levers
 from cpbench.harness.suite.grid_checks import BACKENDS, CUDA_ONLY_BACKENDS, DOCUMENTED_STYLES  # noqa: F401 - the allowed values
-from cpbench.harness.suite.presets import check_overrides, get_preset
+from cpbench.harness.suite.presets import check_has_plan, check_overrides, get_preset
 from cpbench.harness.suite.suite_errors import Collector, SuiteErrors, each, err  # noqa: F401 - spec and tests import them from here
 from cpbench.report.units import parse_bytes
 
@@ -61,6 +61,8 @@ def _model_config(found: Collector, suite):
     preset = found.run(get_preset, suite.model)
     if preset is None or not found.passes(check_overrides, preset, suite.model_overrides):
         return None
+    found.run(check_has_plan, preset, suite.cp_plan, suite.cp_sizes)
+    found.run(_check_plan_styles, suite.cp_plan)
     return found.run(preset.config, suite.model_overrides)
 
 
@@ -135,6 +137,9 @@ _SCALARS = {  # field -> (check, what to write)
     "model": (lambda v: isinstance(v, str), 'a preset name string, e.g. model = "tiny-qwen3"'),
     "description": (lambda v: isinstance(v, str), "a string"),
     "model_overrides": (lambda v: isinstance(v, dict), "a table, e.g. model_overrides = {num_hidden_layers = 4}"),
+    "cp_plan": (lambda v: isinstance(v, dict) and all(isinstance(x, str) for x in (*v, *v.values())),
+                'a table of module pattern = style name, e.g. cp_plan = {"model.layers.*" = "cp_split_sequence", '
+                '"model.layers.*.self_attn" = "cp_ulysses"}'),
     "world_size": (lambda v: v is None or _is_int(v), "an integer (not a string or boolean), e.g. world_size = 8"),
     "fsdp_size": (_is_int, "an integer, e.g. fsdp_size = 2"),
     "dp_replicate_size": (_is_int, "an integer, e.g. dp_replicate_size = 1"),
@@ -159,6 +164,17 @@ _SCALARS = {  # field -> (check, what to write)
 }
 _LISTS = {"seq_lens": _is_int, "cp_sizes": _is_int, "attn_implementations": lambda v: isinstance(v, str),
           "cp_styles": lambda v: isinstance(v, str), "implementations": lambda v: isinstance(v, str)}
+
+
+def _check_plan_styles(plan: dict) -> None:
+    from cpbench.cp.styles import STYLES
+
+    unknown = {k: v for k, v in plan.items() if v not in STYLES.names()}
+    if unknown:
+        raise err("cp_plan", plan, f"styles {sorted(set(unknown.values()))} are not registered; use "
+                                   f"{STYLES.names()}.")
+    if plan and "cp_split_sequence" not in plan.values():
+        raise err("cp_plan", plan, 'needs a sequence split, e.g. "model.layers.*" = "cp_split_sequence".')
 
 
 def _check_scalar(suite, name: str) -> None:

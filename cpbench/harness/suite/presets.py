@@ -158,7 +158,7 @@ def _check_family(raw: dict, name: str) -> None:
         MODEL_FOR_MASKED_LM_MAPPING_NAMES,
     )
 
-    from cpbench.cp.plan import FAMILY_CP_PLANS, refusal_reason
+    from cpbench.cp.plan import refusal_reason
 
     family = raw["model_type"]
     if "vision_config" in raw or "audio_config" in raw or "text_config" in raw:
@@ -173,13 +173,23 @@ def _check_family(raw: dict, name: str) -> None:
     why = refusal_reason(family)
     if why is not None:
         raise ValueError(f"`model = {name!r}` ({family}) cannot be context-parallel: {why}.")
-    if family not in FAMILY_CP_PLANS and not raw.get("base_model_cp_plan"):
-        raise ValueError(
-            f"`model = {name!r}`: the {family} family has no default CP plan (cpbench has them for "
-            f"{sorted(FAMILY_CP_PLANS)}). In a training loop, pass `DistributedConfig(cp_plan=...)` checked against "
-            "its modeling code; suites take the families with a default plan, or a config carrying "
-            "`base_model_cp_plan`."
-        )
+
+
+
+def check_has_plan(preset: Preset, cp_plan: dict, cp_sizes) -> None:
+    """A family without a default CP plan runs at cp > 1 only with the suite's `cp_plan` (or a config carrying
+    `base_model_cp_plan`)."""
+    from cpbench.cp.plan import FAMILY_CP_PLANS
+
+    if cp_plan or max(cp_sizes, default=1) <= 1 or preset.family in FAMILY_CP_PLANS or \
+            preset.values.get("base_model_cp_plan"):
+        return
+    raise ValueError(
+        f"`model = {preset.name!r}`: the {preset.family} family has no default CP plan (cpbench has them for "
+        f"{sorted(FAMILY_CP_PLANS)}). Give the suite a `cp_plan` checked against its modeling code, e.g. cp_plan = "
+        '{"model.layers.*" = "cp_split_sequence", "model.layers.*.self_attn" = "cp_ulysses"} (each point puts its '
+        "own style on the attention entries); in a training loop, pass `DistributedConfig(cp_plan=...)`."
+    )
 
 
 def check_overrides(preset: Preset, overrides: dict) -> None:

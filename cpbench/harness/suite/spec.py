@@ -31,6 +31,9 @@ class Suite:
     cp_styles: tuple[str, ...] = ("cp_ulysses",)
     description: str = ""
     model_overrides: dict = field(default_factory=dict)
+    # module pattern -> style (cpbench.cp.plan): for a family without a default CP plan; each point puts its own
+    # cp_style on the plan's attention entries. Part of the model's name (its hash), as overrides are.
+    cp_plan: dict = field(default_factory=dict)
     world_size: int | None = None  # when set, fsdp_size = world_size / (cp_size * dp_replicate_size)
     fsdp_size: int = 1
     dp_replicate_size: int = 1
@@ -110,6 +113,7 @@ class Point:
     level: str = "model"
     implementation: str = "cpbench"
     cp_ulysses_degree: int = 1
+    cp_plan: dict = field(default_factory=dict)
 
     @property
     def point_id(self) -> str:
@@ -199,20 +203,21 @@ def load_suite(source: str | Path, *, text: str | None = None, allow_faults: boo
     return suite
 
 
-def model_name(model: str, overrides: dict) -> str:
-    """A point's model, readable: the preset's (or the user's config's) short name, and with overrides a short hash
-    of them, so that points of other overrides never share a key (the summary lists the overrides once)."""
+def model_name(model: str, overrides: dict, cp_plan: dict | None = None) -> str:
+    """A point's model, readable: the preset's (or the user's config's) short name, and with overrides (or a suite's
+    `cp_plan`) a short hash of them, so that points of other overrides never share a key (the summary lists the
+    overrides once)."""
     from cpbench.harness.suite.presets import get_preset
 
     name = get_preset(model).name
-    if not overrides:
+    if not overrides and not cp_plan:
         return name
-    return f"{name}+{key_hash(overrides)[:6]}"
+    return f"{name}+{key_hash({**overrides, 'cp_plan': cp_plan} if cp_plan else overrides)[:6]}"
 
 
 def expand(suite: Suite) -> list[Point]:
     """The suite's points, grouped by world size, each configuration's lengths ascending."""
-    model = model_name(suite.model, suite.model_overrides)
+    model = model_name(suite.model, suite.model_overrides, suite.cp_plan)
     seen, points = set(), []
     for cp in sorted(suite.cp_sizes):
         for attn in suite.attn_implementations:
@@ -254,7 +259,7 @@ def _point(suite: Suite, model: str, cp: int, attn: str, style: str, seq_len: in
         tiled_mlp=tiled_mlp_tiles(suite.tiled_mlp),
         parity_mode=suite.parity, reference=suite.reference, timeout_s=float(suite.timeout_s),
         seed=suite.seed, level=suite.level, implementation=impl,
-        cp_ulysses_degree=suite.cp_ulysses_degree if style == "cp_usp" else 1,
+        cp_ulysses_degree=suite.cp_ulysses_degree if style == "cp_usp" else 1, cp_plan=dict(suite.cp_plan),
     )
     fault = next((f for pat, f in suite.faults.items() if fnmatch.fnmatchcase(p.point_id, pat)), None)
     if not fault:
