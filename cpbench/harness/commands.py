@@ -248,7 +248,7 @@ def estimate_command(args) -> int:
     from cpbench.harness.project.estimate import EstimateOptions, run_estimate
     from cpbench.harness.run.summary import summary_table
     from cpbench.report import store
-    from cpbench.report.derive import largest_fit
+    from cpbench.report.tables import fits
 
     t0 = time.perf_counter()
     try:
@@ -269,9 +269,8 @@ def estimate_command(args) -> int:
         print("no host capacity given (--host-memory): the host memory of a node (host/node) was not checked; give "
               "--host-memory 2TiB to check.")
     if args.max_seq:
-        fits = largest_fit(df)
         print("\nlargest length that fits (projected), per configuration:")
-        print(fits.to_string(index=False))
+        print(fits(df).to_string(index=False))
     print(f"\n{len(df)} projected points in {store.runs_path(run_dir)} ({time.perf_counter() - t0:.0f}s)")
     errors = [f"{r['point_id']}: error" for r in df.to_dict("records") if r["status"] == "error"]
     return _exit_code(errors, "estimate")

@@ -73,12 +73,20 @@ def largest_fit(frame: pd.DataFrame) -> pd.DataFrame:
     rows = []
     for config in ordered_configs(frame):
         points = labelled[labelled["config"] == config]
-        ok = points[points["status"] == "ok"]["seq_len"]
+        ok = points[points["status"] == "ok"]
         failed = points[points["status"].isin(["oom", "error", "timeout"])]["seq_len"]
-        rows.append({"config": config, "largest_ok_seq_len": int(ok.max()) if len(ok) else None,
-                     "first_failed_seq_len": int(failed.min()) if len(failed) else None})
-    result = pd.DataFrame(rows, columns=["config", "largest_ok_seq_len", "first_failed_seq_len"])
-    return result.astype({"largest_ok_seq_len": "Int64", "first_failed_seq_len": "Int64"})
+        best = ok.loc[ok["seq_len"].idxmax()] if len(ok) else None
+        rows.append({"config": config, "largest_ok_seq_len": int(best["seq_len"]) if best is not None else None,
+                     "first_failed_seq_len": int(failed.min()) if len(failed) else None,
+                     "peak_bytes": best["peak_bytes"] if best is not None else None,
+                     "host_node_peak_bytes": best.get("host_node_peak_bytes") if best is not None else None})
+    result = pd.DataFrame(rows, columns=FIT_COLUMNS)
+    return result.astype({"largest_ok_seq_len": "Int64", "first_failed_seq_len": "Int64", "peak_bytes": "Int64",
+                          "host_node_peak_bytes": "Int64"})
+
+
+# what largest_fit gives per configuration: the device peak and the host memory of a node at the largest fit
+FIT_COLUMNS = ["config", "largest_ok_seq_len", "first_failed_seq_len", "peak_bytes", "host_node_peak_bytes"]
 
 
 def measurement_note(frame: pd.DataFrame) -> str:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pandas as pd
 
 from . import plots, tables, units
-from .derive import largest_fit, measurement_note, ratios_vs_cp1
+from .derive import measurement_note, ratios_vs_cp1
 from .load import run_label
 from .peers import has_peers, peers_table
 
@@ -56,8 +56,7 @@ def ratio_table(frame: pd.DataFrame) -> pd.DataFrame:
 
 def _sections(frame: pd.DataFrame) -> list[tuple[str, pd.DataFrame, str | None]]:
     """(title, table, index name) in page order."""
-    fits = largest_fit(frame).astype(object).where(lambda f: f.notna(), "–").rename(columns={
-        "config": "configuration", "largest_ok_seq_len": "largest ok seq len", "first_failed_seq_len": "first failure at"})
+    fits = tables.fits(frame)
     note = measurement_note(frame)
     peers = []
     if has_peers(frame):

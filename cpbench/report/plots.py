@@ -18,7 +18,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, NullFormatter
 
 from .derive import largest_fit, measurement_note, ordered_configs, ratios_vs_cp1, with_config
-from .units import GIB, seq_label
+from .units import GIB, human_bytes, seq_label
 
 BREAKDOWN = (("params_bytes", "parameters"), ("grads_bytes", "gradients"),
              ("optimizer_bytes", "optimizer state"), ("activations_bytes", "activations"),
@@ -26,6 +26,10 @@ BREAKDOWN = (("params_bytes", "parameters"), ("grads_bytes", "gradients"),
 PARITY = (("loss_rel_err", "loss_rtol", "loss"), ("logits_max_err", "logits_atol", "logits"),
           ("grad_max_rel_err", "grad_rtol", "gradients"))
 FLOOR = 1e-6  # an error of exactly 0 is drawn here on the log axis (and said so in the legend)
+
+
+HOST_BREAKDOWN = (("host_params_bytes", "parameters"), ("host_grads_bytes", "gradients"),
+                  ("host_optimizer_bytes", "optimizer state"), ("host_activations_bytes", "checkpoints"))
 
 
 def _ok(frame: pd.DataFrame) -> pd.DataFrame:
@@ -170,7 +174,8 @@ def scaling_figure(frame: pd.DataFrame) -> Figure:
 
 
 def breakdown_figure(frame: pd.DataFrame) -> Figure:
-    """The peak of the highest rank split into parameters, gradients, optimizer state and activations."""
+    """The peak of the highest rank split into parameters, gradients, optimizer state and activations; where an
+    offload lever put anything on the host, a second (hatched) bar beside it: that rank's host peak, split alike."""
     ok = _ok(frame)
     fig = Figure(figsize=(max(8, 0.5 * len(ok) + 2), 5), layout="constrained")
     ax = fig.add_subplot()
@@ -179,15 +184,28 @@ def breakdown_figure(frame: pd.DataFrame) -> Figure:
         return fig
     ok = ok.sort_values(["config", "seq_len"])
     x = np.arange(len(ok))
+    host = "host_peak_bytes" in ok and (ok["host_peak_bytes"].fillna(0) > 0).any()
+    width = 0.4 if host else 0.8
+    colors = {}
     bottom = np.zeros(len(ok))
     for column, label in BREAKDOWN:
         values = ok[column].fillna(0).to_numpy(dtype=float) / GIB
-        ax.bar(x, values, bottom=bottom, label=label)
+        bars = ax.bar(x - width / 2 if host else x, values, width, bottom=bottom, label=f"device: {label}" if host
+                      else label)
+        colors[column] = bars.patches[0].get_facecolor() if bars.patches else None
         bottom += values
+    if host:
+        bottom = np.zeros(len(ok))
+        for column, label in HOST_BREAKDOWN:
+            values = ok[column].fillna(0).to_numpy(dtype=float) / GIB
+            ax.bar(x + width / 2, values, width, bottom=bottom, label=f"host: {label}", hatch="//",
+                   color=colors.get(column.replace("host_", "")), edgecolor="white")
+            bottom += values
     ax.set_xticks(x, [f"{c}\n{seq_label(s)}" for c, s in zip(ok["config"], ok["seq_len"])], rotation=90,
                   fontsize="small")
     ax.set_ylabel("GiB (rank with the highest peak)")
-    ax.set_title("Memory breakdown at the peak" + measurement_note(frame))
+    ax.set_title(("Memory breakdown at the peak: device (left) and host (right, hatched)" if host
+                  else "Memory breakdown at the peak") + measurement_note(frame))
     _legend(ax)
     return fig
 
@@ -227,9 +245,11 @@ def fit_figure(frame: pd.DataFrame) -> Figure:
         return fig
     y = np.arange(len(fits))
     ax.barh(y, fits["largest_ok_seq_len"].fillna(0).astype(float))
-    for i, (ok, failed) in enumerate(zip(fits["largest_ok_seq_len"], fits["first_failed_seq_len"])):
-        note = f"{ok}" if pd.notna(ok) else "none"
-        note += f"  (failed at {failed})" if pd.notna(failed) else "  (no failure in the sweep)"
+    for i, (ok, failed, host) in enumerate(zip(fits["largest_ok_seq_len"], fits["first_failed_seq_len"],
+                                               fits["host_node_peak_bytes"])):
+        note = f"{ok:,}" if pd.notna(ok) else "none"
+        note += f"  (failed at {failed:,})" if pd.notna(failed) else "  (no failure in the sweep)"
+        note += f"  host/node {human_bytes(host)}" if pd.notna(host) and host > 0 else ""
         ax.text(0, i, " " + note, va="center", fontsize="small")
     ax.set_yticks(y, fits["config"])
     ax.set_xlabel("largest sequence length that fits (tokens)")

@@ -59,6 +59,14 @@ def points(frame: pd.DataFrame) -> pd.DataFrame:
     values = [v for c in ("peak_bytes", "activations_bytes", "temporaries_bytes") if c in frame for v in frame[c]]
     unit = units.byte_unit(values)
     rows = [_point_row(row, unit) for _, row in frame.iterrows()]
+    host = frame["host_node_peak_bytes"].fillna(0) if "host_node_peak_bytes" in frame else pd.Series(dtype=float)
+    if (host > 0).any():  # an offload lever put something on the host: where, and what moved
+        host_unit = units.byte_unit(host)
+        moved = frame["d2h_bytes"].fillna(0) + frame["h2d_bytes"].fillna(0)
+        moved_unit = units.byte_unit(moved)
+        for row, (_, r), m in zip(rows, frame.iterrows(), moved):
+            row["host per node"] = units.in_unit(r.get("host_node_peak_bytes"), host_unit)
+            row["host<->device per step"] = units.in_unit(m if pd.notna(r.get("d2h_bytes")) else None, moved_unit)
     return pd.DataFrame(rows)
 
 
@@ -135,3 +143,23 @@ def _css_class(value) -> str:
 
 def comparison_markdown(frame: pd.DataFrame) -> str:
     return to_markdown(comparison(frame), index_name="seq len")
+
+
+def fits(frame: pd.DataFrame) -> pd.DataFrame:
+    """Per configuration, the largest length that fits and the shortest that did not, with the device peak at that
+    fit and, where anything lives on the host, the host memory of a node."""
+    from .derive import largest_fit
+
+    table = largest_fit(frame)
+    out = pd.DataFrame({
+        "configuration": table["config"],
+        "largest ok seq len": table["largest_ok_seq_len"].map(lambda v: "–" if pd.isna(v) else f"{int(v):,}"),
+        "first failure at": table["first_failed_seq_len"].map(lambda v: "–" if pd.isna(v) else f"{int(v):,}"),
+    })
+    device = units.byte_unit(table["peak_bytes"])
+    out["peak at the fit"] = [units.in_unit(v if pd.notna(v) else None, device) for v in table["peak_bytes"]]
+    host = table["host_node_peak_bytes"]
+    if (host.fillna(0) > 0).any():
+        unit = units.byte_unit(host)
+        out["host per node at the fit"] = [units.in_unit(v if pd.notna(v) else None, unit) for v in host]
+    return out
