@@ -124,3 +124,34 @@ def test_over_capacity_names_the_side(peak, node, budget, host_budget, sides):
     assert (why is None) == (not sides)
     for side in ("device", "host"):
         assert (f"{side}:" in (why or "")) == (side in sides)
+
+
+def test_counted_and_tracked_ledgers_move_the_same_bytes_under_fsdp_offload():
+    """Parameter and activation offload under FSDP2 (cp 2, a fake process group, real CPU tensors): the CUDA probe's
+    counted ledger and the CPU probe's tracked one count the same bytes up and down per step, and the counted one's
+    host peak holds at least the sharded parameters and the optimizer state."""
+    from cpbench.harness.measure import step
+    from cpbench.harness.project.projection import _mesh, fake_world
+    from cpbench.harness.suite.spec import load_suite
+
+    (point,) = load_suite("t.toml", text='model = "tiny-qwen3"\nseq_lens = [64]\ncp_sizes = [2]\nwarmup_steps = 1\n'
+                          'activation_checkpointing = true\noffload_activations = true\noffload_params = true\n'
+                          'parity = "off"\n').points()
+    moved = {}
+    for mode in ("counted", "tracked"):
+        with fake_world(2, 0):
+            model = step.distribute(step.build_model(point, "cpu"), point, mesh=_mesh(point))
+            batch = step.make_batch(point, model.config.vocab_size, "cpu")
+            optimizer = step.make_optimizer(model, point)
+            step.train_step(model, optimizer, batch)  # step 0: the optimizer state
+            probe = CpuMemoryProbe(model, optimizer, None)
+            ledger = HostLedger() if mode == "counted" else probe.host
+            with ledger.levers(point, model, optimizer), probe.segment():
+                step.train_step(model, optimizer, batch)
+            moved[mode] = (ledger.d2h_bytes, ledger.h2d_bytes)
+            if mode == "counted":
+                local = [getattr(t, "_local_tensor", t) for t in (*model.parameters(),
+                                                                   *(t for s in optimizer.state.values() for t in s.values()))]
+                at_rest = sum(t.numel() * t.element_size() for t in local)  # this rank's shards and AdamW state
+                assert ledger.peak >= at_rest and ledger.peak_by_kind["grads"] > 0
+    assert moved["counted"] == moved["tracked"] and min(moved["counted"]) > 0

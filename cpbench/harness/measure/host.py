@@ -38,7 +38,8 @@ def _storages(tree) -> list:
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
+    """A DTensor's own local tensor (the object that lives as long as the shard; `to_local()` may make a view)."""
+    return getattr(t, "_local_tensor", t)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -67,7 +68,8 @@ class HostLedger:
         self.by_kind[kind] = self.by_kind.get(kind, 0) + n
         if self.live > self.peak:
             self.peak, self.peak_by_kind = self.live, dict(self.by_kind)
-        weakref.finalize(_local(t), self._free, n, kind)
+        # on the storage: a DTensor's local tensor may be re-made as a new view of the same shard (FSDP2 does)
+        weakref.finalize(_local(t).untyped_storage(), self._free, n, kind)
 
     def _free(self, n: int, kind: str) -> None:
         self.live -= n
