@@ -120,3 +120,20 @@ def test_report_compare_and_gate_on_a_projected_run(tmp_path, capsys, projected)
     assert main(["gate", "--baseline", str(measured_run / "runs.parquet"), str(run), "--rules",
                  "results/baselines/gate-rules.toml"]) == 2
     assert "measurement" in capsys.readouterr().err
+
+
+def test_host_memory_is_a_capacity_too_and_max_seq_respects_it(tmp_path):
+    """Activation offload puts the checkpoints on the host, growing with the length: a host capacity per node
+    between two lengths' host peaks stops `--max-seq` there (the device capacity is far away), and the `oom` says
+    it was the host."""
+    quick = ["--model", "tiny-qwen3", "--cp", "1", "--device", "cpu", "--dtype", "float32", "--recompute",
+             "--offload-activations", "--gpus-per-node", "1"]
+    rc, df = _estimate(tmp_path / "a", *quick, "--seq", "256,512")
+    host = {int(r.seq_len): int(r.host_node_peak_bytes) for r in df.itertuples()}
+    assert rc == 0 and 0 < host[256] < host[512] and (df["d2h_bytes"] > 0).all()
+    rc, df = _estimate(tmp_path / "b", *quick, "--seq", "256", "--device-memory", "1TiB", "--host-memory",
+                       str((host[256] + host[512]) // 2), "--max-seq", "--granularity", "256")
+    by_len = df.set_index("seq_len")
+    assert rc == 0 and by_len.loc[256, "status"] == "ok" and by_len.loc[512, "status"] == "oom"
+    assert by_len.loc[512, "status_detail"].startswith("host: a node's ranks hold")
+    assert "device:" not in by_len.loc[512, "status_detail"]
