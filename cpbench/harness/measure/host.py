@@ -205,5 +205,6 @@ def _patched(owner, name: str, value):
 
 def new_storages(out, inputs) -> list:
     """The storages of `out` that none of `inputs` holds: what an op allocated (a view allocates nothing)."""
-    held = {id(st) for st in _storages(inputs)}
+    inputs = _storages(inputs)  # held while ids are compared: a freed object's id may be reused
+    held = {id(st) for st in inputs}
     return [st for st in _storages(out) if id(st) not in held]

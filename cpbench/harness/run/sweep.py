@@ -86,7 +86,9 @@ def run_sweep(opts: SweepOptions) -> Path:
     run_dir = pick_run_dir(Path(opts.out) / suite.name, opts.run, opts.resume)
     budget_text = opts.memory_budget or suite.memory_budget
     ctx = {"run_id": run_dir.name, "env": fingerprint(suite.device),
-           "budget": parse_bytes(budget_text) if budget_text else None}
+           "budget": parse_bytes(budget_text) if budget_text else None,
+           # a node's ranks share its host memory (rows.host_node_peak_bytes): a cluster job's nodes, else one
+           "gpus_per_node": opts.cluster.gpus_per_node if opts.cluster is not None else None}
     if opts.cluster is not None:  # refused before anything is submitted
         for world in sorted({p.world_size for p in points}):
             opts.cluster.shape(world)
