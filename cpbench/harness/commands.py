@@ -45,9 +45,13 @@ def register(subparsers) -> None:
                     "file, or --model/--seq/--cp for one model without a suite. Exit status: 1 when a point's "
                     "projection is an `error`; 0 otherwise (`oom` and `skipped` are results); 2 for bad arguments.")
     est.add_argument("suite", nargs="?", default=None, help="suite file (or use --model)")
+    est.add_argument("--gpu", default=None, metavar="NAME|FILE",
+                     help="price each projected step on this GPU: step time, its breakdown, tokens/s, MFU "
+                          "(h100-sxm, h100-pcie, h200, a100-sxm, b200, or a profile file from `cpbench calibrate`); "
+                          "its memory is the capacity unless --device-memory or the suite's memory_budget is given")
     est.add_argument("--device-memory", default=None,
                      help="capacity per rank, e.g. 80GiB: a point whose projected peak passes it is `oom` "
-                          "(default: the suite's memory_budget)")
+                          "(default: the suite's memory_budget, else the --gpu profile's memory)")
     est.add_argument("--host-memory", default=None,
                      help="host memory per node, e.g. 2TiB: a point whose node's ranks hold more on the host "
                           "(offloaded checkpoints, parameters, gradients, optimizer state) is `oom` (default: none)")
@@ -255,7 +259,7 @@ def estimate_command(args) -> int:
         suite = _quick_suite(args)
         opts = EstimateOptions(suite=suite, out=args.out, run=args.run, device_memory=args.device_memory,
                                host_memory=args.host_memory, gpus_per_node=args.gpus_per_node, max_seq=args.max_seq,
-                               granularity=args.granularity, jobs=args.jobs)
+                               granularity=args.granularity, jobs=args.jobs, gpu=args.gpu)
         run_dir = run_estimate(opts, on_row=lambda row: print(f"  {row['point_id']}: {row['status']}", flush=True))
     except ValueError as e:
         print(f"cpbench estimate: {e}", file=sys.stderr)
@@ -263,8 +267,11 @@ def estimate_command(args) -> int:
     df = store.read_run(run_dir)
     print(summary_table(df))
     if df["memory_budget_bytes"].isna().all():
-        print("\nno capacity given (--device-memory, or the suite's memory_budget): no point was checked against a "
-              "device's memory, so `ok` says only that the step projected; give --device-memory 80GiB to check.")
+        print("\nno capacity given (--gpu, --device-memory, or the suite's memory_budget): no point was checked "
+              "against a device's memory, so `ok` says only that the step projected; give --gpu h100-sxm or "
+              "--device-memory 80GiB to check.")
+    if args.gpu is None:
+        print("no --gpu given: no time projected; give --gpu h100-sxm (or a100-sxm, h200, ...) for step times.")
     if (df["host_node_peak_bytes"].fillna(0) > 0).any() and df["host_memory_budget_bytes"].isna().all():
         print("no host capacity given (--host-memory): the host memory of a node (host/node) was not checked; give "
               "--host-memory 2TiB to check.")

@@ -16,7 +16,9 @@ import pyarrow as pa
 #    `keep_outputs`; the parity step is no longer tracked; `temporaries_bytes` and the collectives of one step
 #    (`comm_*`) are new.
 # 7: host memory and transfers of the offload levers (`host_*`, `d2h_bytes`, `h2d_bytes`).
-SCHEMA_VERSION = 7
+# 8: a projection's time on a GPU profile (`gpu_profile`, `projected_*`). Only columns were added: a version 7
+#    file is read with them null (ADDED_SINCE).
+SCHEMA_VERSION = 8
 MEASUREMENTS = ("measured", "projected")
 
 STATUSES = ("ok", "oom", "error", "timeout", "skipped")
@@ -130,6 +132,17 @@ COLUMNS: dict[str, tuple[pa.DataType, str]] = {
                        "pairs the mask keeps (causal, documents, windows)"),
     "tflops_per_s": (pa.float64(), "achieved TFLOP/s per device (null on CPU)"),
     "mfu": (pa.float64(), "model FLOPs utilisation against the device's peak (null when unknown)"),
+    # projected time (estimate --gpu: timing.py), the slowest projected rank
+    "gpu_profile": (pa.string(), "the GPU profile a projection's time is priced on (a shipped name or a file's)"),
+    "projected_step_s": (pa.float64(), "projected step time: the slowest rank's, every stream done"),
+    "projected_compute_s": (pa.float64(), "of it: the compute stream busy with the model's kernels"),
+    "projected_optimizer_s": (pa.float64(), "of it: the optimizer step"),
+    "projected_comm_exposed_s": (pa.float64(), "of it: compute idle for collectives, and their tail"),
+    "projected_transfer_exposed_s": (pa.float64(), "of it: offload copies on the compute stream, and waits for them"),
+    "projected_overhead_s": (pa.float64(), "of it: compute idle for the host dispatching ops"),
+    "projected_comm_s": (pa.float64(), "collectives' busy time, overlapped or not"),
+    "projected_tokens_per_s": (pa.float64(), "tokens of the global batch per projected second"),
+    "projected_mfu": (pa.float64(), "model FLOPs utilisation at the projected step time, against the profile's peak"),
     # parity against the unsharded reference of the same weights and batch
     "parity_status": (pa.string(), "pass | fail | reference_oom | error | skipped"),
     "parity_detail": (pa.string(), "why parity is not pass, or null"),
@@ -158,6 +171,9 @@ COLUMNS: dict[str, tuple[pa.DataType, str]] = {
     "cpu_count": (pa.int64(), ""),
     "timestamp": (pa.string(), "ISO 8601 UTC, when the point finished"),
 }
+
+# version -> the columns added after it (a file of that version is read with them null)
+ADDED_SINCE = {7: [name for name in COLUMNS if name == "gpu_profile" or name.startswith("projected_")]}
 
 ARROW_SCHEMA = pa.schema(
     [pa.field(name, typ) for name, (typ, _) in COLUMNS.items()],

@@ -13,7 +13,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .schema import ARROW_SCHEMA, COLUMNS, SCHEMA_VERSION
+from .schema import ADDED_SINCE, ARROW_SCHEMA, COLUMNS, SCHEMA_VERSION
 
 RUNS_FILE = "runs.parquet"
 
@@ -39,6 +39,11 @@ def read_table(run: str | os.PathLike) -> pa.Table:
         return ARROW_SCHEMA.empty_table()
     table = pq.read_table(path)
     version = (table.schema.metadata or {}).get(b"cpbench_schema_version", b"?").decode()
+    if version.isdigit() and int(version) in ADDED_SINCE:  # an older file whose successors only added columns
+        for name in ADDED_SINCE[int(version)]:
+            table = table.append_column(name, pa.nulls(len(table), COLUMNS[name][0]))
+        table = table.select(list(COLUMNS)).cast(ARROW_SCHEMA)
+        version = str(SCHEMA_VERSION)
     if version != str(SCHEMA_VERSION):
         raise ValueError(
             f"{path} was written with schema version {version}; this cpbench reads version {SCHEMA_VERSION}. "

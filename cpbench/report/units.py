@@ -72,6 +72,19 @@ def ms(seconds) -> str:
     return "–" if _missing(seconds) else f"{sig(seconds * 1e3)} ms"
 
 
+def seconds(value) -> str:
+    """A duration in the unit its size reads best in: 850 ms, 12.3 s, 6.3 min, 1.8 h; '' when missing."""
+    if _missing(value):
+        return ""
+    if value < 1:
+        return f"{sig(value * 1e3)} ms"
+    if value < 120:
+        return f"{sig(value)} s"
+    if value < 7200:
+        return f"{sig(value / 60)} min"
+    return f"{sig(value / 3600)} h"
+
+
 def change(old, new) -> str:
     """Relative change `+12.3%`, or `new` when there is no old value to divide by."""
     if _missing(old) or _missing(new):

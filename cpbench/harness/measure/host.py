@@ -57,6 +57,16 @@ class HostLedger:
         self.live = self.peak = 0  # counted mode only; tracked mode reads the tracker's HOST snapshot
         self.by_kind: dict[str, int] = {}
         self.peak_by_kind: dict[str, int] = {}
+        self.listeners: list = []  # called (direction "d2h" | "h2d", bytes, what) per move (the time model's trace)
+        self.moving = False  # True while the ledger makes its own copy of a moved tensor (tracked mode)
+
+    def _moved(self, direction: str, nbytes: int, what: str) -> None:
+        if direction == "d2h":
+            self.d2h_bytes += nbytes
+        else:
+            self.h2d_bytes += nbytes
+        for listener in self.listeners:
+            listener(direction, nbytes, what)
 
     def reset_step(self) -> None:
         self.d2h_bytes = self.h2d_bytes = 0
@@ -89,18 +99,28 @@ class HostLedger:
         def pack(tensor):
             if self.tracker is not None:
                 with self.tracker.host_phase():  # a copy that never was device memory
-                    packed = tensor.detach().clone()
+                    self.moving = True
+                    try:
+                        packed = tensor.detach().clone()
+                    finally:
+                        self.moving = False
             else:
                 packed = torch.empty(tensor.size(), dtype=tensor.dtype, layout=tensor.layout, pin_memory=pin)
                 packed.copy_(tensor)
                 self._hold(packed, "activations")
-            self.d2h_bytes += _nbytes(tensor)
+            self._moved("d2h", _nbytes(tensor), "activations")
             return tensor.device, packed
 
         def unpack(saved):
             device, packed = saved
-            self.h2d_bytes += _nbytes(packed)
-            return packed.clone() if self.tracker is not None else packed.to(device, non_blocking=pin)
+            self._moved("h2d", _nbytes(packed), "activations")
+            if self.tracker is None:
+                return packed.to(device, non_blocking=pin)
+            self.moving = True
+            try:
+                return packed.clone()
+            finally:
+                self.moving = False
 
         return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
@@ -136,7 +156,7 @@ class HostLedger:
 
         def all_gather_inputs(fsdp_param):
             if fsdp_param.offload_to_cpu:
-                ledger.h2d_bytes += _nbytes(fsdp_param._sharded_param_data)
+                ledger._moved("h2d", _nbytes(fsdp_param._sharded_param_data), "params")
             return gather_inputs.fget(fsdp_param)
 
         def post_backward_then_offload(group, *args, **kwargs):
@@ -144,7 +164,7 @@ class HostLedger:
             for fsdp_param in group.fsdp_params:
                 grad = fsdp_param.sharded_param.grad
                 if fsdp_param.offload_to_cpu and grad is not None:
-                    ledger.d2h_bytes += _nbytes(grad)
+                    ledger._moved("d2h", _nbytes(grad), "grads")
                     ledger.to_host(grad, "grads")
             return out
 

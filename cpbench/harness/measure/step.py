@@ -125,14 +125,18 @@ def train_step(model, optimizer, batch, keep_outputs: bool = False) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-def tracked_steps(point: Point, model, optimizer, batch, probe, steps: int | None = None) -> dict:
+def tracked_steps(point: Point, model, optimizer, batch, probe, steps: int | None = None, last=()) -> dict:
     """The steps whose memory counts: identical steps after step 0, each its own segment (the smallest peak counts,
-    see probes.py). The collectives of the last one are counted; returns them per kind."""
+    see probes.py). The collectives of the last one are counted; returns them per kind. `last`: more dispatch modes
+    to run the last step under (a projection's op trace)."""
     steps = point.warmup_steps if steps is None else steps
     probe.track_state()  # the optimizer state that step 0 made
     counter = CollectiveCounter()
     with probe.host.levers(point, model, optimizer):  # what the offload levers hold on the host, and move (host.py)
         for i in range(steps):
-            with probe.segment(repeat="step"), (counter if i == steps - 1 else contextlib.nullcontext()):
+            with contextlib.ExitStack() as modes:
+                modes.enter_context(probe.segment(repeat="step"))
+                for mode in ([counter, *last] if i == steps - 1 else []):
+                    modes.enter_context(mode)
                 train_step(model, optimizer, batch, point.keep_outputs)
     return counter.columns()

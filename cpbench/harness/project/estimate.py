@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cpbench.harness.measure.env import fingerprint
+from cpbench.harness.project.hardware import load as load_hardware
 from cpbench.harness.project.projection import project_rank, projected_ranks, stand_in
 from cpbench.harness.run import rows
 from cpbench.harness.run.skips import SkipRules
@@ -43,6 +44,7 @@ class EstimateOptions:
     max_seq: bool = False
     granularity: int = 1024
     jobs: int | None = None  # worker processes (default: the CPUs, at most 8); 1: in this process
+    gpu: str | None = None  # a GPU profile (hardware.py): projected time, and the capacity when none is given
 
 
 class Estimator:
@@ -54,6 +56,7 @@ class Estimator:
         self.ctx = {"run_id": run_dir.name, "env": fingerprint(suite.device), "budget": capacity,
                     "host_budget": host_capacity, "gpus_per_node": gpus_per_node, "measurement": "projected"}
         self.rules = SkipRules()
+        self.hardware = None  # a GPU profile: each projection is also priced on it (timing.py)
 
     def skip(self, point: Point) -> dict | None:
         """The `skipped` row of a point that is not projected (written), or None."""
@@ -87,19 +90,23 @@ def in_order(points: list[Point]):
         yield point
 
 
-def capacity_of(opts: EstimateOptions, suite: Suite) -> int | None:
+def capacity_of(opts: EstimateOptions, suite: Suite, hardware=None) -> int | None:
+    """--device-memory, else the suite's memory_budget, else the GPU profile's memory, else none."""
     text = opts.device_memory or suite.memory_budget
-    return parse_bytes(text, field_name="--device-memory") if text else None
+    if text:
+        return parse_bytes(text, field_name="--device-memory")
+    return hardware.memory_bytes if hardware is not None else None
 
 
 def run_estimate(opts: EstimateOptions, on_row=None) -> Path:
     """Projects a suite (or, with `max_seq`, searches its largest lengths); returns the run folder."""
     suite = opts.suite if isinstance(opts.suite, Suite) else resolve_suite(opts.suite)
-    capacity = capacity_of(opts, suite)
+    hardware = load_hardware(opts.gpu) if opts.gpu else None
+    capacity = capacity_of(opts, suite, hardware)
     host_capacity = parse_bytes(opts.host_memory, field_name="--host-memory") if opts.host_memory else None
     if opts.max_seq and capacity is None:
-        raise ValueError("--max-seq needs a capacity: pass --device-memory (e.g. 80GiB) or set the suite's "
-                         "memory_budget.")
+        raise ValueError("--max-seq needs a capacity: pass --gpu (e.g. h100-sxm) or --device-memory (e.g. 80GiB), "
+                         "or set the suite's memory_budget.")
     if opts.gpus_per_node < 1:
         raise ValueError(f"--gpus-per-node {opts.gpus_per_node}: give at least 1 (ranks that share a node's host "
                          "memory).")
@@ -108,6 +115,7 @@ def run_estimate(opts: EstimateOptions, on_row=None) -> Path:
         raise ValueError(f"--jobs {jobs}: give at least 1 (worker processes; 1 projects in this process).")
     run_dir = pick_run_dir(Path(opts.out) / suite.name, opts.run, resume=False)
     estimator = Estimator(run_dir, suite, capacity, on_row, host_capacity, opts.gpus_per_node)
+    estimator.hardware = hardware
     if opts.max_seq:
         from cpbench.harness.project.max_seq import chains
 
@@ -120,9 +128,9 @@ def run_estimate(opts: EstimateOptions, on_row=None) -> Path:
     return run_dir
 
 
-def _project(point: dict, rank: int) -> dict:
+def _project(point: dict, rank: int, hardware=None, gpus_per_node: int = 8) -> dict:
     """A worker's task (module level, so a spawned process can import it)."""
-    return project_rank(Point.from_dict(point), rank)
+    return project_rank(Point.from_dict(point), rank, hardware, gpus_per_node)
 
 
 class _InProcess:
@@ -178,5 +186,6 @@ def _advance(estimator: Estimator, pool, chain, row, running: dict, started: dic
         if row is None:
             started[point.point_key] = time.perf_counter()
             for rank in projected_ranks(point):
-                running[pool.submit(_project, point.to_dict(), rank)] = (chain, point, rank)
+                running[pool.submit(_project, point.to_dict(), rank, estimator.hardware,
+                                    estimator.ctx["gpus_per_node"])] = (chain, point, rank)
             return

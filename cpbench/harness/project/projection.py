@@ -25,6 +25,8 @@ import torch.distributed as dist
 
 from cpbench.harness.measure import step
 from cpbench.harness.measure.probes import memory_probe
+from cpbench.harness.project.timing import simulate
+from cpbench.harness.project.trace import StepTrace
 from cpbench.harness.suite.spec import Point
 
 # Fake tensors up to this many elements keep their values when computed from known values (torch's default: 1).
@@ -63,9 +65,16 @@ def fake_tensors():
         fake.CONSTANT_NUMEL_LIMIT = limit
 
 
+# Batch tensors whose values no decision reads: plain fake tensors. The labels only pick each token's target in the
+# loss (gathers, and a count of the ignored ones that stays a tensor); carried as constants, every one of a chunked
+# loss's hundreds of chunks would compute on their real values (half a projection's time at 1M tokens).
+VALUES_UNREAD = ("labels",)
+
+
 def known(mode, batch: dict) -> dict:
     """Fake copies of real tensors that carry the real values (see the module docstring)."""
-    return {k: mode.fake_tensor_converter.from_real_tensor(mode, v, make_constant=True) for k, v in batch.items()}
+    return {k: mode.fake_tensor_converter.from_real_tensor(mode, v, make_constant=k not in VALUES_UNREAD)
+            for k, v in batch.items()}
 
 
 def _mesh(point: Point):
@@ -81,8 +90,10 @@ def _mesh(point: Point):
     return build_mesh(config, "cpu")
 
 
-def project_rank(point: Point, rank: int) -> dict:
-    """One rank's record, like a measured rank's (worker.run_point) without time or parity."""
+def project_rank(point: Point, rank: int, hardware=None, gpus_per_node: int = 8, keep_trace: bool = False) -> dict:
+    """One rank's record, like a measured rank's (worker.run_point) without parity; with a GPU profile
+    (`hardware`), its projected time (timing.py). `keep_trace`: the record keeps the op trace (`trace`), for
+    pricing again on other hardware (calibrate.py)."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     t0 = time.perf_counter()
@@ -98,10 +109,22 @@ def project_rank(point: Point, rank: int) -> dict:
             optimizer = step.make_optimizer(model, point)
             probe = memory_probe("cpu", model, optimizer, None)
             step.train_step(model, optimizer, batch)  # step 0: creates the optimizer state, untracked
-            comm = step.tracked_steps(point, model, optimizer, batch, probe, steps=1)  # fake steps are identical
+            trace = StepTrace(probe.host, gpus_per_node) if hardware is not None or keep_trace else None
+            hooks = trace.optimizer_hooks(optimizer) if trace else []
+            comm = step.tracked_steps(point, model, optimizer, batch, probe, steps=1,  # fake steps are identical
+                                      last=[trace] if trace else [])
+            for h in hooks:
+                h.remove()
             record = {"rank": rank, "status": "ok", **probe.result(), **comm, "rss_peak_bytes": None,
                       "step_times_s": [], "num_params": num_params, "model_type": model.config.model_type,
                       "parity_mode": "off", "run_s": time.perf_counter() - t0}
+            if trace is not None:
+                trace.close()
+                if hardware is not None:
+                    record["time"] = {"gpu": hardware.name, "peak_flops": hardware.peak(point.dtype),
+                                      **simulate(trace.ops, hardware, point.dtype)}
+                if keep_trace:
+                    record["trace"] = trace.ops
             del model, optimizer, probe, batch
     gc.collect()
     return record

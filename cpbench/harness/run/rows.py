@@ -96,6 +96,7 @@ def measured_row(point: Point, records: list[dict], wall_s: float, **ctx) -> dic
         row["status_detail"] = "; ".join(filter(None, [row["status_detail"], note]))
     if row["measurement"] == "projected":
         row.update(parity_status="skipped", parity_detail="a projection computes no values: no parity")
+        row.update(projected_time_columns(records, row["flops_per_step"], point))
     else:
         times = _time_columns(records, row["flops_per_step"], point, ctx["env"])
         row.update(times)
@@ -107,6 +108,20 @@ def measured_row(point: Point, records: list[dict], wall_s: float, **ctx) -> dic
     if over:
         row.update(status="oom", status_detail="; ".join(filter(None, [over, row["status_detail"]])))
     return row
+
+
+def projected_time_columns(records: list[dict], flops: float, point: Point) -> dict:
+    """A projection's time (timing.py): the slowest rank's step and its breakdown; none without a GPU profile."""
+    times = [r["time"] for r in records if r.get("time")]
+    if not times:
+        return {}
+    slowest = max(times, key=lambda t: t["step_s"])
+    step_s = slowest["step_s"]
+    parts = ("compute_s", "optimizer_s", "comm_exposed_s", "transfer_exposed_s", "overhead_s", "comm_s")
+    return {"gpu_profile": slowest["gpu"], "projected_step_s": step_s,
+            **{f"projected_{k}": slowest[k] for k in parts},
+            "projected_tokens_per_s": point.seq_len * point.batch_size * _dp(point) / step_s,
+            "projected_mfu": flops / point.world_size / step_s / slowest["peak_flops"]}
 
 
 def over_capacity(row: dict, budget: int | None, host_budget: int | None) -> str | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from cpbench.report.units import byte_unit, in_unit, ms, sig
+from cpbench.report.units import byte_unit, in_unit, ms, seconds, sig
 
 
 def overrides_lines(df) -> list[str]:
@@ -62,13 +62,37 @@ def projected_table(df) -> str:
         header += ["host/node", "host<->device/step"]
         byte_cols += ["host_node_peak_bytes", "moved"]
     unit = {c: byte_unit(r.get(c) for r in records) for c in byte_cols}
+    timed = any(_number(r.get("projected_step_s")) for r in records)
+    if timed:
+        header += ["step", "compute", "comm exp.", "xfer exp.", "optim.", "tok/s/GPU", "MFU"]
     notes, lines = _Notes(), []
     for r in records:
         status = r["status"] if r["status"] == "ok" else notes.mark(r["status"], r.get("status_detail"))
         if r["status"] not in ("ok", "oom"):
             r["sent"] = r["moved"] = None
-        lines.append([r["point_id"], status, *(in_unit(r.get(c), unit[c]) for c in byte_cols)])
-    return notes.below(_render(header, lines))
+        line = [r["point_id"], status, *(in_unit(r.get(c), unit[c]) for c in byte_cols)]
+        if timed:
+            line += _time_cells(r)
+        lines.append(line)
+    table = _render(header, lines)
+    if timed:
+        gpus = sorted({r["gpu_profile"] for r in records if isinstance(r.get("gpu_profile"), str)})
+        table += (f"\ntime projected on {', '.join(gpus)} (timing.py): step = compute + exposed communication + "
+                  "exposed host<->device copies + optimizer + host overhead")
+    return notes.below(table)
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and value == value  # not None, not NaN
+
+
+def _time_cells(r: dict) -> list[str]:
+    step = r.get("projected_step_s")
+    if not _number(step):
+        return [""] * 7
+    parts = [seconds(r.get(f"projected_{k}_s")) for k in ("compute", "comm_exposed", "transfer_exposed", "optimizer")]
+    per_gpu = r["projected_tokens_per_s"] / r["world_size"]
+    return [seconds(step), *parts, sig(per_gpu), f"{100 * r['projected_mfu']:.1f}%"]
 
 
 class _Notes:

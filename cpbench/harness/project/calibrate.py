@@ -1,0 +1,125 @@
+"""`cpbench calibrate RUN --gpu NAME`: the time model's efficiencies fitted to a measured sweep.
+
+Each measured `ok` point of the run is projected once, keeping its op trace (projection.py); the traces are then
+priced again and again (timing.py) while the efficiencies that the traces use, and the per-op overheads, are moved
+to make the projected step times meet the measured medians (least squares on log time: a 10 % miss weighs the
+same at 10 ms and at 10 s). What a trace does not use is not fitted and keeps the starting profile's value.
+
+Hold-out: `holdout` points are never fitted; the report gives their error separately, the only honest one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from cpbench.harness.project.hardware import Hardware
+from cpbench.harness.project.timing import simulate
+
+# parameter -> (lowest, highest): efficiencies are fractions of a peak, overheads seconds
+BOUNDS = {"efficiency": (0.01, 1.0), "kernel_s": (1e-7, 1e-3), "cpu_op_s": (1e-7, 1e-3)}
+FACTORS = (0.25, 0.5, 0.7, 0.85, 1.0, 1.18, 1.4, 2.0, 4.0)
+
+
+@dataclass
+class Sample:
+    """One measured point: its projected ranks' traces, its dtype and the measured median step time."""
+
+    point_id: str
+    traces: list
+    dtype: str
+    measured_s: float
+
+    def projected(self, hw: Hardware) -> float:
+        return max(simulate(t, hw, self.dtype)["step_s"] for t in self.traces)
+
+
+def _used(samples: list[Sample]) -> list[str]:
+    """The parameters the traces exercise: each efficiency a trace's ops price with, and the overheads."""
+    kinds = {op.kind for s in samples for t in s.traces for op in t}
+    streams = {(op.stream, op.crosses_nodes) for s in samples for t in s.traces for op in t}
+    used = [k for k in kinds if k.startswith(("gemm", "attention"))]
+    if kinds & {"memory", "copy_out", "gemm"} or any(k.startswith("attention") for k in kinds):
+        used.append("memory")
+    if kinds & {"all_gather", "reduce_scatter", "all_to_all", "all_reduce", "p2p"}:
+        used += ["intra_node"] if any(not c for _, c in streams) else []
+        used += ["inter_node"] if any(c for _, c in streams) else []
+    if kinds & {"h2d", "d2h"}:
+        used.append("pcie")
+    if any(st == "host" for st, _ in streams):
+        used.append("host")
+    return [f"efficiency.{k}" for k in sorted(set(used))] + ["kernel_s", "cpu_op_s"]
+
+
+def _get(hw: Hardware, name: str) -> float:
+    return hw.efficiency[name.split(".", 1)[1]] if name.startswith("efficiency.") else getattr(hw, name)
+
+
+def _set(hw: Hardware, name: str, value: float) -> Hardware:
+    low, high = BOUNDS[name.split(".")[0]]
+    value = min(max(value, low), high)
+    if name.startswith("efficiency."):
+        return hw.with_efficiency(**{name.split(".", 1)[1]: value})
+    return replace(hw, **{name: value})
+
+
+def loss(samples: list[Sample], hw: Hardware) -> float:
+    """Mean squared log error of the projected step times."""
+    return sum(math.log(s.projected(hw) / s.measured_s) ** 2 for s in samples) / len(samples)
+
+
+def fit(samples: list[Sample], start: Hardware, rounds: int = 8) -> Hardware:
+    """Coordinate descent over the used parameters, each by multiplicative steps that shrink every round."""
+    if not samples:
+        raise ValueError("nothing to calibrate on: the run has no measured `ok` point with a step time")
+    params, hw = _used(samples), start
+    best = loss(samples, hw)
+    for r in range(rounds):
+        width = 1.0 / (1 + r)  # the factors' spread (in log) narrows each round
+        improved = False
+        for name in params:
+            value = _get(hw, name)
+            for f in FACTORS:
+                trial = _set(hw, name, value * math.exp(math.log(f) * width))
+                err = loss(samples, trial)
+                if err < best - 1e-12:
+                    hw, best, improved = trial, err, True
+        if not improved and r > 2:
+            break
+    return hw
+
+
+def samples_of_run(run_dir: Path, base: Hardware, gpus_per_node: int = 8, progress=None) -> list[Sample]:
+    """The run's measured ok points with their projected traces."""
+    from cpbench.harness.project.projection import project_rank, projected_ranks
+    from cpbench.harness.suite.spec import Point
+    from cpbench.report import store
+
+    df = store.read_run(run_dir)
+    rows = df[(df["measurement"] == "measured") & (df["status"] == "ok") & df["step_time_median_s"].notna()]
+    out = []
+    for r in rows.to_dict("records"):
+        point = Point.from_dict(json.loads(r["spec_json"]))
+        if point.level != "model":
+            continue
+        traces = [project_rank(point, rank, gpus_per_node=gpus_per_node, keep_trace=True)["trace"]
+                  for rank in projected_ranks(point)]
+        out.append(Sample(r["point_id"], traces, point.dtype, float(r["step_time_median_s"])))
+        if progress:
+            progress(r["point_id"])
+    return out
+
+
+def calibrate(samples: list[Sample], base: Hardware, name: str, holdout: list[str] = (), run: str = "") -> tuple:
+    """Fits on the samples outside `holdout`; returns (the fitted profile, one row per point)."""
+    fitted_on = [s for s in samples if s.point_id not in set(holdout)]
+    hw = fit(fitted_on, base)
+    rms = math.sqrt(loss(fitted_on, hw))
+    hw = replace(hw, name=name, title=f"{base.title}, calibrated",
+                 sources={**hw.sources, "efficiency": f"fitted by `cpbench calibrate` to {run or 'a measured run'}: "
+                          f"{len(fitted_on)} points, rms log error {rms:.3f}"})
+    rows = [{"point_id": s.point_id, "measured_s": s.measured_s, "before_s": s.projected(base),
+             "after_s": s.projected(hw), "held_out": s.point_id in set(holdout)} for s in samples]
+    return hw, rows

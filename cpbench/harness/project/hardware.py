@@ -1,0 +1,155 @@
+"""Hardware profiles for the time model: a GPU's peaks, its links, and the efficiencies it reaches, as data.
+
+A profile is one table of `gpus.toml` (shipped with cpbench, every figure with its source) or a TOML file that
+`cpbench calibrate` writes (the same fields; `--gpu FILE`). Peaks are data-sheet figures; efficiencies are the
+fraction of a peak a class of kernel reaches, taken from published kernel measurements (never from the end-to-end
+runs the model is judged on) or fitted by `cpbench calibrate` to a measured sweep.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from cpbench.report.units import parse_bytes
+
+GPUS_FILE = Path(__file__).with_name("gpus.toml")
+
+# What each efficiency is the fraction of (timing.py reads them by these names).
+EFFICIENCIES = {
+    "gemm": "dense peak, for matrix multiplications (cuBLAS)",
+    "attention_forward": "dense peak, for the flash-class attention forward (torch's flash kernel, flash-attn 2)",
+    "attention_backward": "dense peak, for the flash-class attention backward",
+    "attention_cudnn_forward": "dense peak, for cuDNN's fused attention forward",
+    "attention_cudnn_backward": "dense peak, for cuDNN's fused attention backward",
+    "attention_efficient_forward": "dense peak, for the memory-efficient (cutlass) attention forward",
+    "attention_efficient_backward": "dense peak, for the memory-efficient attention backward",
+    "memory": "HBM bandwidth, for element-wise ops, reductions and copies",
+    "intra_node": "the per-GPU link inside a node (NVLink), as NCCL's bus bandwidth",
+    "inter_node": "the per-GPU network link across nodes (InfiniBand), as NCCL's bus bandwidth",
+    "pcie": "the host link, for offload copies",
+    "host": "host memory bandwidth per GPU, for an optimizer step on the host",
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Hardware:
+    """One GPU type in its usual node. Rates in bytes or FLOPs per second, times in seconds."""
+
+    name: str
+    title: str
+    memory_bytes: int
+    peak_flops: dict  # dtype name -> dense FLOP/s
+    hbm_bytes_per_s: float
+    intra_node_bytes_per_s: float  # per GPU, one direction
+    inter_node_bytes_per_s: float  # per GPU, one direction
+    pcie_bytes_per_s: float  # per GPU, one direction
+    host_bytes_per_s: float  # host memory bandwidth a GPU's optimizer step gets on the host
+    efficiency: dict  # EFFICIENCIES -> fraction
+    kernel_s: float  # the shortest a kernel takes on the GPU (launch and tail)
+    cpu_op_s: float  # host time to dispatch one op (the eager framework's overhead)
+    intra_node_latency_s: float
+    inter_node_latency_s: float
+    sources: dict = field(default_factory=dict)  # field -> where the figure comes from
+    device_names: tuple = ()  # the names torch / NVML report for this GPU (a measured run's `device_name`)
+
+    def peak(self, dtype: str) -> float:
+        if dtype not in self.peak_flops:
+            raise ValueError(f"GPU profile {self.name!r} has no peak for dtype {dtype!r}: it has "
+                             f"{sorted(self.peak_flops)}; add `{dtype}_tflops` to the profile.")
+        return self.peak_flops[dtype]
+
+    def with_efficiency(self, **changes: float) -> Hardware:
+        return replace(self, efficiency={**self.efficiency, **changes})
+
+    def to_toml(self) -> str:
+        """The profile as a TOML table that `load` reads back (what `cpbench calibrate` writes)."""
+        d = asdict(self)
+        lines = [f"[{self.name}]", f"title = {_q(self.title)}", f"memory = {_q(str(self.memory_bytes))}",
+                 "device_names = [" + ", ".join(_q(n) for n in self.device_names) + "]"]
+        lines += [f"{dt}_tflops = {v / 1e12!r}" for dt, v in d["peak_flops"].items()]
+        for key, unit in _RATES.items():
+            lines.append(f"{key} = {d[_RATE_FIELDS[key]] / unit!r}")
+        lines += [f"{k} = {d[k]!r}" for k in ("kernel_s", "cpu_op_s", "intra_node_latency_s", "inter_node_latency_s")]
+        lines.append(f"\n[{self.name}.efficiency]")
+        lines += [f"{k} = {v!r}" for k, v in d["efficiency"].items()]
+        if self.sources:
+            lines.append(f"\n[{self.name}.sources]")
+            lines += [f"{k} = {_q(v)}" for k, v in self.sources.items()]
+        return "\n".join(lines) + "\n"
+
+
+_RATES = {"hbm_tb_s": 1e12, "nvlink_gb_s": 1e9, "network_gb_s": 1e9, "pcie_gb_s": 1e9, "host_gb_s": 1e9}
+_RATE_FIELDS = {"hbm_tb_s": "hbm_bytes_per_s", "nvlink_gb_s": "intra_node_bytes_per_s",
+                "network_gb_s": "inter_node_bytes_per_s", "pcie_gb_s": "pcie_bytes_per_s",
+                "host_gb_s": "host_bytes_per_s"}
+_DTYPES = {"bf16_tflops": "bfloat16", "fp16_tflops": "float16", "fp32_tflops": "float32",
+           "bfloat16_tflops": "bfloat16", "float16_tflops": "float16", "float32_tflops": "float32"}
+
+
+def _q(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _parse(name: str, table: dict, defaults: dict, origin: str) -> Hardware:
+    merged = {**defaults, **{k: v for k, v in table.items() if not isinstance(v, dict)}}
+    efficiency = {**defaults.get("efficiency", {}), **table.get("efficiency", {})}
+    sources = {**defaults.get("sources", {}), **table.get("sources", {})}
+    where = f"GPU profile {name!r} ({origin})"
+    unknown = set(efficiency) - set(EFFICIENCIES)
+    if unknown:
+        raise ValueError(f"{where}: unknown efficiency {sorted(unknown)}; known: {sorted(EFFICIENCIES)}.")
+    missing = [k for k in (*_RATES, "memory", "kernel_s", "cpu_op_s", "intra_node_latency_s",
+                           "inter_node_latency_s") if k not in merged] + \
+        [f"efficiency.{k}" for k in EFFICIENCIES if k not in efficiency]
+    if missing:
+        raise ValueError(f"{where}: missing {missing}; give each (see cpbench/harness/project/gpus.toml).")
+    for k, v in efficiency.items():
+        if not 0 < v <= 1:
+            raise ValueError(f"{where}: efficiency.{k} = {v}: give a fraction of the peak in (0, 1].")
+    peaks = {dt: float(merged[k]) * 1e12 for k, dt in _DTYPES.items() if k in merged}
+    peaks.setdefault("float16", peaks.get("bfloat16", 0.0))
+    if not peaks.get("bfloat16"):
+        raise ValueError(f"{where}: give bf16_tflops (the dense bf16 peak, TFLOP/s).")
+    return Hardware(
+        name=name, title=merged.get("title", name), memory_bytes=parse_bytes(str(merged["memory"]),
+                                                                            field_name=f"{where} memory"),
+        peak_flops=peaks, **{_RATE_FIELDS[k]: float(merged[k]) * u for k, u in _RATES.items()},
+        efficiency=efficiency, sources=sources, device_names=tuple(merged.get("device_names", ())),
+        **{k: float(merged[k]) for k in ("kernel_s", "cpu_op_s", "intra_node_latency_s", "inter_node_latency_s")},
+    )
+
+
+def builtin() -> dict[str, Hardware]:
+    """The shipped profiles, by name."""
+    data = tomllib.loads(GPUS_FILE.read_text())
+    defaults = data.pop("defaults", {})
+    return {name: _parse(name, table, defaults, str(GPUS_FILE.name)) for name, table in data.items()}
+
+
+def load(spec: str) -> Hardware:
+    """A shipped profile by name (`h100-sxm`), or a profile file (`cpbench calibrate`'s output)."""
+    profiles = builtin()
+    if spec in profiles:
+        return profiles[spec]
+    path = Path(spec)
+    if not path.is_file():
+        raise ValueError(f"--gpu {spec!r}: not a known GPU ({', '.join(profiles)}) and not a profile file.")
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"--gpu {spec!r}: not a TOML profile ({e}).") from None
+    if len(data) != 1:
+        raise ValueError(f"--gpu {spec!r}: a profile file holds one table (one GPU); it has {sorted(data)}.")
+    (name, table), = data.items()
+    return _parse(name, table, {}, str(path))  # a file is whole: no figure silently taken from another GPU
+
+
+def names() -> list[str]:
+    return list(builtin())
+
+
+def for_device(device_name: str | None) -> Hardware | None:
+    """The shipped profile of a measured run's GPU (its `device_name`), or None."""
+    return next((h for h in builtin().values() if (device_name or "").strip() in h.device_names), None)

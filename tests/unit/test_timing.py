@@ -1,0 +1,189 @@
+"""The time model's arithmetic (timing.py) on hand-computed traces, and its overlap rules; the op trace (trace.py)
+on a tiny projected step. Every expected time below is worked out by hand from the profile's figures."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from cpbench.harness.project import hardware
+from cpbench.harness.project.timing import BREAKDOWN, collective_seconds, op_seconds, simulate
+from cpbench.harness.project.trace import Op, attention_flops, causal_pairs
+
+# A profile with round figures: 100 TFLOP/s bf16, 1 TB/s HBM, 100 GB/s NVLink, 10 GB/s network, 10 GB/s PCIe.
+HW = hardware.Hardware(
+    name="round", title="round figures", memory_bytes=80 << 30, peak_flops={"bfloat16": 100e12, "float32": 10e12},
+    hbm_bytes_per_s=1e12, intra_node_bytes_per_s=100e9, inter_node_bytes_per_s=10e9, pcie_bytes_per_s=10e9,
+    host_bytes_per_s=50e9, kernel_s=1e-6, cpu_op_s=0.0, intra_node_latency_s=0.0, inter_node_latency_s=1e-5,
+    efficiency={**dict.fromkeys(hardware.EFFICIENCIES, 1.0), "gemm": 0.5, "attention_forward": 0.4,
+                "attention_backward": 0.25},
+)
+
+
+def op(kind="memory", stream="compute", flops=0.0, nbytes=0.0, reads=(), writes=(), group=1, phase="step",
+       crosses=False):
+    return Op(stream, kind, phase, flops, nbytes, tuple(reads), tuple(writes), group, crosses)
+
+
+def test_a_gemm_costs_its_flops_over_the_efficient_peak_or_its_bytes_whichever_is_longer():
+    # 4096 x 4096 x 4096: 2 * 4096^3 = 1.374e11 FLOPs at 50 TFLOP/s = 2.749 ms; 3 x 32 MiB bf16 = 0.1 ms of HBM
+    flops, nbytes = 2.0 * 4096 ** 3, 3 * 4096 * 4096 * 2
+    assert op_seconds(op("gemm", flops=flops, nbytes=nbytes), HW, "bfloat16") == pytest.approx(flops / 50e12)
+    # a skinny one is bound by its bytes: 2e6 FLOPs (40 ns) against 1 GB (1 ms)
+    assert op_seconds(op("gemm", flops=2e6, nbytes=1e9), HW, "bfloat16") == pytest.approx(1e-3)
+    assert op_seconds(op("memory", nbytes=10.0), HW, "bfloat16") == HW.kernel_s  # never under a kernel's minimum
+    assert op_seconds(op("gemm", flops=flops), HW, "float32") == pytest.approx(flops / 5e12)  # the fp32 peak
+
+
+def test_attention_flops_count_the_pairs_a_causal_kernel_keeps_and_backward_is_two_and_a_half_times():
+    q = torch.empty(1, 2, 4, 8, device="meta")  # [batch, heads, seq, head_dim]
+    # causal: 4 queries see 1+2+3+4 = 10 keys; 4 FLOPs per pair per head-dim element, 2 heads: 4 * 10 * 2 * 8
+    fwd = attention_flops("aten._scaled_dot_product_flash_attention", (q, q, q, 0.0, True))
+    assert fwd == 640
+    full = attention_flops("aten._scaled_dot_product_flash_attention", (q, q, q, 0.0, False))
+    assert full == 4 * 16 * 2 * 8
+    grad = (q, q, q, q, q, None, None, None, 4, 4, 0.0, True)
+    assert attention_flops("aten._scaled_dot_product_flash_attention_backward", grad) == 2.5 * 640
+    assert causal_pairs(2, 4) == 3 and causal_pairs(4, 2) == 3 + 2 * 2  # queries aligned to the first key
+    # varlen with known offsets: documents of 3 and 1 tokens -> 6 + 1 causal pairs, [tokens, heads, dim]
+    t = torch.empty(4, 2, 8, device="meta")
+    offsets = torch.tensor([0, 3, 4])
+    varlen = (t, t, t, offsets, offsets, 3, 3, 0.0, True)
+    assert attention_flops("aten._flash_attention_forward", varlen) == 4 * 7 * 2 * 8
+
+
+def test_collectives_cost_their_ring_algorithm_bytes_over_the_link_they_cross():
+    mb = 8e6
+    # all-to-all of 4 ranks: 3/4 of the input leaves each rank; 6 MB at 100 GB/s = 60 us
+    assert collective_seconds("all_to_all", mb, 4, False, HW) == pytest.approx(60e-6)
+    # all-gather of a 8 MB shard among 4: 3 shards arrive, 24 MB = 240 us
+    assert collective_seconds("all_gather", mb, 4, False, HW) == pytest.approx(240e-6)
+    # across nodes: 10 GB/s and 10 us per hop: 6 MB = 600 us + 3 hops
+    assert collective_seconds("all_to_all", mb, 4, True, HW) == pytest.approx(600e-6 + 30e-6)
+    assert collective_seconds("all_reduce", mb, 2, False, HW) == pytest.approx(2 * 4e6 / 100e9)
+    assert collective_seconds("p2p", mb, 2, False, HW) == pytest.approx(80e-6)
+    assert collective_seconds("all_gather", mb, 1, False, HW) == 0.0  # a group of one moves nothing
+
+
+def _ring_step(tile_flops: float) -> list[Op]:
+    """A ring step: receive the next K/V block (8 MB: 80 us) while the current tile computes, then the next tile
+    reads the received block."""
+    return [op("p2p", "nccl", nbytes=8e6, writes=[2], group=2),
+            op("attention_forward", flops=tile_flops, reads=[1]),
+            op("attention_forward", flops=tile_flops, reads=[2])]
+
+
+def test_a_ring_receive_hides_behind_the_tile_it_overlaps_and_shows_when_the_tile_is_shorter():
+    tile = 40e12 * 100e-6  # 100 us at 40 TFLOP/s (attention forward: 0.4 of 100)
+    hidden = simulate(_ring_step(tile), HW, "bfloat16")
+    assert hidden["step_s"] == pytest.approx(200e-6) and hidden["comm_exposed_s"] == pytest.approx(0.0)
+    short = simulate(_ring_step(tile / 4), HW, "bfloat16")  # 25 us tiles: the 80 us receive shows for 55 us
+    assert short["step_s"] == pytest.approx(80e-6 + 25e-6)
+    assert short["comm_exposed_s"] == pytest.approx(55e-6) and short["compute_s"] == pytest.approx(50e-6)
+
+
+def test_an_all_to_all_waits_for_the_compute_before_it_and_is_exposed():
+    trace = [op("memory", nbytes=1e8, writes=[1]),  # 100 us: q/k/v made
+             op("all_to_all", "nccl", nbytes=8e6, reads=[1], writes=[2], group=2),  # 40 us
+             op("memory", nbytes=1e8, reads=[2])]  # 100 us: attention's input
+    t = simulate(trace, HW, "bfloat16")
+    assert t["step_s"] == pytest.approx(240e-6) and t["comm_exposed_s"] == pytest.approx(40e-6)
+
+
+def test_fsdp_all_gathers_run_one_layer_ahead_of_the_copy_out():
+    # layer i's copy-out at 10 us, its compute 1 ms; the next all-gather (500 us) starts after the copy-out, so it
+    # hides behind layer i; a third all-gather waits for the next copy-out and shows
+    gather = dict(stream="ag", nbytes=50e6 / 1, group=2)  # 50 MB shard among 2: 500 us
+    trace = [op("copy_out", nbytes=1e7, writes=[10]),
+             op("all_gather", reads=[], writes=[11], **gather),
+             op("gemm", flops=50e12 * 1e-3, reads=[10]),
+             op("copy_out", nbytes=1e7, reads=[11], writes=[12]),
+             op("all_gather", reads=[], writes=[13], **gather),
+             op("copy_out", nbytes=1e7, reads=[13])]
+    t = simulate(trace, HW, "bfloat16")
+    # 10 us copy-out, 1 ms gemm (the gather hides), 10 us copy-out at 1.02 ms, then the gather: 1.02 -> 1.52 ms
+    assert t["step_s"] == pytest.approx(10e-6 + 1e-3 + 10e-6 + 500e-6 + 10e-6)
+    assert t["comm_exposed_s"] == pytest.approx(500e-6)
+
+
+def test_the_optimizer_waits_for_the_last_reduce_scatter_and_the_breakdown_sums_to_the_step():
+    trace = [op("gemm", flops=50e12 * 1e-3, writes=[1]),  # 1 ms backward
+             op("reduce_scatter", "rs", nbytes=400e6, reads=[1], writes=[2], group=2),  # 2 ms after it
+             op("memory", nbytes=1e9, reads=[5], phase="optimizer")]  # 1 ms, reads no reduced buffer itself
+    t = simulate(trace, HW, "bfloat16")
+    assert t["step_s"] == pytest.approx(1e-3 + 2e-3 + 1e-3)
+    assert t["optimizer_s"] == pytest.approx(1e-3) and t["comm_exposed_s"] == pytest.approx(2e-3)
+    assert sum(t[k] for k in BREAKDOWN) == pytest.approx(t["step_s"])
+
+
+def test_offload_copies_on_the_compute_stream_are_exposed_and_the_host_overhead_shows_when_it_leads():
+    trace = [op("d2h", nbytes=1e8), op("gemm", flops=50e12 * 1e-4)]  # 10 ms over PCIe, then 100 us
+    t = simulate(trace, HW, "bfloat16")
+    assert t["transfer_exposed_s"] == pytest.approx(1e-2) and t["step_s"] == pytest.approx(1e-2 + 1e-4)
+    slow_host = dataclasses.replace(HW, cpu_op_s=1e-3)  # each op dispatched 1 ms after the one before
+    t = simulate([op("memory", nbytes=1e6)] * 3, slow_host, "bfloat16")
+    assert t["overhead_s"] == pytest.approx(3e-3 - 2e-6) and t["step_s"] == pytest.approx(3e-3 + 1e-6)
+
+
+def test_every_shipped_profile_loads_and_a_written_profile_reads_back(tmp_path):
+    profiles = hardware.builtin()
+    assert {"h100-sxm", "h100-pcie", "h200", "a100-sxm", "b200"} <= set(profiles)
+    for hw in profiles.values():
+        assert hw.sources.get("bf16_tflops") and hw.memory_bytes > 0
+        path = tmp_path / f"{hw.name}.toml"
+        path.write_text(hw.to_toml())
+        assert hardware.load(str(path)) == hw
+    assert hardware.for_device("NVIDIA H100 80GB HBM3").name == "h100-sxm"
+
+
+def test_a_bad_profile_names_the_field_and_the_fix(tmp_path):
+    with pytest.raises(ValueError, match="not a known GPU .*h100-sxm"):
+        hardware.load("h900")
+    text = hardware.builtin()["a100-sxm"].to_toml().replace("gemm = 0.869", "gemm = 1.7")
+    (tmp_path / "bad.toml").write_text(text)
+    with pytest.raises(ValueError, match=r"efficiency.gemm = 1.7: give a fraction"):
+        hardware.load(str(tmp_path / "bad.toml"))
+    (tmp_path / "short.toml").write_text("[mine]\nbf16_tflops = 100\n")
+    with pytest.raises(ValueError, match="missing .*hbm_tb_s"):
+        hardware.load(str(tmp_path / "short.toml"))
+
+
+def _synthetic_point(seq: int, cp: int) -> list[Op]:
+    """A trace shaped like a CP step of `seq` tokens on `cp` ranks: GEMMs, attention tiles beside ring receives,
+    element-wise work, a reduce-scatter and the optimizer."""
+    tokens = seq // cp
+    trace = []
+    for layer in range(4):
+        trace.append(op("gemm", flops=2.0 * tokens * 4096 * 4096 * 12, nbytes=tokens * 4096 * 2 * 6, writes=[layer]))
+        for step in range(cp):
+            trace.append(op("p2p", "nccl", nbytes=tokens * 1024 * 2 * 2, writes=[100 + step], group=cp))
+            trace.append(op("attention_forward", flops=4.0 * tokens * tokens * 4096, reads=[99 + step]))
+            trace.append(op("attention_backward", flops=10.0 * tokens * tokens * 4096, reads=[99 + step]))
+        trace.append(op("memory", nbytes=tokens * 4096 * 2 * 20))
+    trace.append(op("reduce_scatter", "rs", nbytes=4e8, reads=[0], writes=[7], group=cp))
+    trace.append(op("memory", nbytes=6e9 / cp, phase="optimizer"))
+    return trace
+
+
+def test_calibration_recovers_the_step_times_of_a_synthetic_measured_sweep_and_reports_held_out_points():
+    from cpbench.harness.project.calibrate import Sample, calibrate
+
+    truth = HW.with_efficiency(gemm=0.72, attention_forward=0.55, attention_backward=0.42, memory=0.6,
+                               intra_node=0.7)
+    points = [(seq, cp) for seq in (8192, 16384, 32768, 65536) for cp in (2, 4)]
+    samples = [Sample(f"s{seq}/cp{cp}", [_synthetic_point(seq, cp)], "bfloat16", 0.0) for seq, cp in points]
+    for s in samples:  # "measured": the true profile's times
+        s.measured_s = s.projected(truth)
+    start = HW  # gemm 0.5, attention 0.4 / 0.25, memory 1.0, intra_node 1.0
+    held = ["s65536/cp2", "s8192/cp4"]
+    hw, rows = calibrate(samples, start, "fitted", holdout=held, run="synthetic")
+    before = max(abs(r["before_s"] / r["measured_s"] - 1) for r in rows)
+    after = max(abs(r["after_s"] / r["measured_s"] - 1) for r in rows)
+    assert before > 0.2  # the starting profile is far off
+    assert after < 0.02, rows  # every point, the two held out included, within 2 % once fitted
+    assert {r["point_id"] for r in rows if r["held_out"]} == set(held)
+    assert hw.name == "fitted" and "synthetic" in hw.sources["efficiency"]
+    assert abs(hw.efficiency["attention_backward"] / 0.42 - 1) < 0.1  # the dominant class is found, not just a sum
+    assert hw.efficiency["attention_cudnn_forward"] == start.efficiency["attention_cudnn_forward"]  # unused: kept
