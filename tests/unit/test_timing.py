@@ -187,3 +187,31 @@ def test_calibration_recovers_the_step_times_of_a_synthetic_measured_sweep_and_r
     assert hw.name == "fitted" and "synthetic" in hw.sources["efficiency"]
     assert abs(hw.efficiency["attention_backward"] / 0.42 - 1) < 0.1  # the dominant class is found, not just a sum
     assert hw.efficiency["attention_cudnn_forward"] == start.efficiency["attention_cudnn_forward"]  # unused: kept
+
+
+def test_a_projected_step_is_traced_with_its_streams_collectives_transfers_and_host_optimizer():
+    from cpbench.harness.project.projection import project_rank
+    from cpbench.harness.suite.spec import load_suite
+
+    text = ('name = "t"\nmodel = "tiny-llama"\nseq_lens = [256]\ncp_sizes = [2]\ncp_styles = ["cp_ring"]\n'
+            'dtype = "bfloat16"\ndevice = "cuda"\nactivation_checkpointing = true\noffload_activations = true\n'
+            'offload_params = true\nwarmup_steps = 1\nmeasured_steps = 1\n')
+    point = load_suite("t.toml", text=text).points()[0]
+    record = project_rank(point, 0, HW, gpus_per_node=1, keep_trace=True)
+    ops = record["trace"]
+    kinds = {(o.stream, o.kind) for o in ops}
+    # the ring's K/V blocks (point-to-point on NCCL's stream), the CUDA flash tiles, FSDP2's own streams
+    assert {("nccl", "p2p"), ("compute", "attention_forward"), ("compute", "attention_backward"),
+            ("ag", "all_gather"), ("rs", "reduce_scatter"), ("compute", "gemm")} <= kinds
+    assert all(o.group == 2 and o.crosses_nodes for o in ops if o.kind in ("p2p", "all_gather"))  # 1 GPU a node
+    # every byte the host ledger moved is a transfer of the trace: checkpoints on the compute stream, parameters up
+    # beside the all-gathers, gradients down beside the reduce-scatters
+    for direction in ("d2h", "h2d"):
+        assert sum(o.bytes for o in ops if o.kind == direction) == record[f"{direction}_bytes"] > 0
+    assert {o.stream for o in ops if o.kind in ("d2h", "h2d")} == {"compute", "ag", "rs"}
+    assert any(o.stream == "host" and o.phase == "optimizer" for o in ops)  # AdamW on the host's copies
+    t = record["time"]
+    assert t["transfer_exposed_s"] > 0 and t["step_s"] == pytest.approx(sum(t[k] for k in BREAKDOWN))
+    # across nodes (10 GB/s) the same step is slower than inside one (100 GB/s)
+    inside = simulate([o._replace(crosses_nodes=False) for o in ops], HW, "bfloat16")
+    assert inside["step_s"] < t["step_s"]
