@@ -76,6 +76,7 @@ def register(subparsers) -> None:
     quick.add_argument("--device", default="cuda", help="the device projected: its kernels (default cuda)")
     quick.add_argument("--world-size", type=int, default=None, help="ranks; fsdp fills what cp leaves")
     quick.add_argument("--batch-kind", default="plain", help="plain | packed | padded")
+    quick.add_argument("--batch-size", type=int, default=1, help="sequences per data-parallel replica (default 1)")
     quick.add_argument("--loss", default="full", help="full | chunked (the output projection and loss in chunks)")
     quick.add_argument("--recompute", action="store_true", help="activation checkpointing of every decoder layer")
     quick.add_argument("--recompute-every", type=int, default=1, metavar="N",
@@ -202,7 +203,8 @@ def _quick_suite(args):
     fields = {"name": f"estimate-{short}", "model": args.model, "seq_lens": _ints("--seq", args.seq),
               "cp_sizes": _ints("--cp", args.cp), "attn_implementations": _names(args.attn),
               "cp_styles": _names(args.styles), "dtype": args.dtype, "device": args.device,
-              "batch_kind": args.batch_kind, "loss": args.loss, "activation_checkpointing": args.recompute,
+              "batch_kind": args.batch_kind, "batch_size": args.batch_size, "loss": args.loss,
+              "activation_checkpointing": args.recompute,
               "mixed_precision": args.mixed_precision, "recompute_every_n_layers": args.recompute_every,
               "offload_activations": args.offload_activations, "offload_params": args.offload_params,
               "warmup_steps": 1, "measured_steps": 1}

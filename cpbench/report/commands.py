@@ -22,6 +22,9 @@ def register(subparsers) -> None:
     report.add_argument("run", help="a run directory (results/<suite>/<run>) or a .parquet file")
     report.add_argument("--out", help="where to write (default: the run directory; for a file, <name>_report/)")
     report.add_argument("--device-memory", type=_size, help="draw this capacity on the memory plot, e.g. 80GiB")
+    report.add_argument("--projected", default=None, metavar="RUN",
+                        help="a projection of the same points (cpbench estimate --gpu): the report shows each point's "
+                             "measured and projected step and peak, and the projection's error")
     report.set_defaults(func=run_report)
 
     compare = subparsers.add_parser("compare", help="two runs side by side, with the change per metric")
@@ -63,11 +66,12 @@ def run_report(args: argparse.Namespace) -> int:
 
     try:
         frame = load_run(args.run)
+        projected = load_run(args.projected) if args.projected else None
     except (FileNotFoundError, ValueError) as e:
         return _fail(str(e))
     source = Path(args.run)
     out = Path(args.out) if args.out else source if source.is_dir() else source.with_name(f"{source.stem}_report")
-    files = write_report(frame, out, capacity=args.device_memory)
+    files = write_report(frame, out, capacity=args.device_memory, projected=projected)
     print(comparison_markdown(frame))
     print(f"\nreport: {files.html}\n        {files.markdown}\nplots:  {', '.join(str(p) for p in files.plots.values())}")
     print(f"data:   {parquet_path(args.run)}")

@@ -51,12 +51,26 @@ def with_config(frame: pd.DataFrame) -> pd.DataFrame:
     return frame.assign(config=config_labels(frame))
 
 
+def with_projected_time(frame: pd.DataFrame) -> pd.DataFrame:
+    """The frame with each projected row's time where the figures and ratios read a measured one (its step,
+    without a spread, and its tokens/s): for drawing only, the file keeps the two apart. A projection without a
+    GPU profile has no time and stays without."""
+    if "projected_step_s" not in frame or not frame["projected_step_s"].notna().any():
+        return frame
+    out = frame.copy()
+    timed = (out["measurement"] == "projected") & out["projected_step_s"].notna()
+    for column in ("step_time_median_s", "step_time_p10_s", "step_time_p90_s"):
+        out.loc[timed, column] = out.loc[timed, "projected_step_s"]
+    out.loc[timed, "tokens_per_s"] = out.loc[timed, "projected_tokens_per_s"]
+    return out
+
+
 def ratios_vs_cp1(frame: pd.DataFrame) -> pd.DataFrame:
     """For each ok point with cp > 1: speed-up (cp1 median step / its median step) and memory ratios
     (its peak / cp1 peak, and the same for activations) against the cp=1 point of the same other key columns.
     Points without an ok cp=1 counterpart are left out (there is nothing to divide by)."""
     match = [c for c in KEY_COLUMNS if c not in ("cp_size", "cp_style", "implementation")]  # cp 1: unsharded
-    labelled = with_config(frame)  # labels from the whole run, as every other table and figure has them
+    labelled = with_config(with_projected_time(frame))  # labels from the whole run, as every other table and figure has them
     ok = labelled[labelled["status"] == "ok"]
     base = ok[ok["cp_size"] == 1][match + ["step_time_median_s", "peak_bytes", "activations_bytes"]]
     base = base.drop_duplicates(match)

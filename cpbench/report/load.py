@@ -11,7 +11,7 @@ import pandas as pd
 import pyarrow.parquet as pq
 
 from .match import check_unique
-from .schema import COLUMNS, SCHEMA_VERSION
+from .schema import ADDED_SINCE, COLUMNS, SCHEMA_VERSION
 from .store import RUNS_FILE, read_table, runs_path
 
 
@@ -30,7 +30,10 @@ def load_run(path: str | Path, *, allow_schema_mismatch: bool = False, what: str
     """All rows of a run, in their Parquet order. Refuses a file of another schema version unless allowed, and
     a run that holds the same point more than once (which row to report or gate would be a silent pick)."""
     file = parquet_path(path, what)
-    missing = [name for name in COLUMNS if name not in pq.read_schema(file).names]
+    schema = pq.read_schema(file)
+    version = (schema.metadata or {}).get(b"cpbench_schema_version", b"?").decode()
+    added = ADDED_SINCE.get(int(version), []) if version.isdigit() else []  # read_table fills them with nulls
+    missing = [name for name in COLUMNS if name not in schema.names and name not in added]
     if missing:
         raise ValueError(
             f"{file}: columns {missing} are missing; this file was not written with the cpbench results schema "

@@ -11,6 +11,7 @@ from pathlib import Path
 import pandas as pd
 
 from . import plots, tables, units
+from .beside import beside_projected
 from .derive import measurement_note, ratios_vs_cp1
 from .load import run_label
 from .peers import has_peers, peers_table
@@ -73,12 +74,18 @@ def _sections(frame: pd.DataFrame) -> list[tuple[str, pd.DataFrame, str | None]]
     ]
 
 
-def write_report(frame: pd.DataFrame, out_dir: str | Path, capacity: float | None = None) -> ReportFiles:
+def write_report(frame: pd.DataFrame, out_dir: str | Path, capacity: float | None = None,
+                 projected: pd.DataFrame | None = None) -> ReportFiles:
+    """The page, its table and plots; with `projected` (a projection of the same points), a section of each
+    point's measured and projected step and peak."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     images = plots.save_all(frame, out_dir / "plots", capacity)
     title = f"cpbench report: {run_label(frame)}{measurement_note(frame)}"
     sections = _sections(frame)
+    if projected is not None:
+        sections.insert(1, ("Projected beside measured (the projection's error per point)",
+                            beside_projected(frame, projected), None))
     table = out_dir / "table.md"
     table.write_text(tables.to_markdown(sections[0][1], "seq len") + "\n")
     markdown = out_dir / "report.md"

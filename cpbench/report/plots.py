@@ -17,7 +17,7 @@ from matplotlib import colormaps
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, NullFormatter
 
-from .derive import largest_fit, measurement_note, ordered_configs, ratios_vs_cp1, with_config
+from .derive import largest_fit, measurement_note, ordered_configs, ratios_vs_cp1, with_config, with_projected_time
 from .units import GIB, human_bytes, seq_label
 
 BREAKDOWN = (("params_bytes", "parameters"), ("grads_bytes", "gradients"),
@@ -118,10 +118,10 @@ def time_figure(frame: pd.DataFrame) -> Figure:
     """Median step time (p10–p90 bars) and tokens/s vs sequence length."""
     fig = Figure(figsize=(12, 5), layout="constrained")
     step_ax, tps_ax = fig.subplots(1, 2)
-    ok = _ok(frame).dropna(subset=["step_time_median_s"])
+    ok = _ok(with_projected_time(frame)).dropna(subset=["step_time_median_s"])
     if ok.empty:
-        _empty(step_ax, "no timed point (a projection has no time)" if measurement_note(frame) else
-               "no point finished ok")
+        _empty(step_ax, "no timed point (a projection has time only on a GPU profile: estimate --gpu)"
+               if measurement_note(frame) else "no point finished ok")
         _empty(tps_ax, "")
         return fig
     colors = config_colors(frame)
@@ -132,9 +132,11 @@ def time_figure(frame: pd.DataFrame) -> Figure:
         step_ax.errorbar(p["seq_len"], median, yerr=np.clip(np.asarray(spread, dtype=float), 0, None),
                          marker="o", capsize=3, label=config, color=colors[config])
         tps_ax.plot(p["seq_len"], p["tokens_per_s"], marker="o", label=config, color=colors[config])
+    gpus = ", ".join(sorted(ok["gpu_profile"].dropna().unique())) if "gpu_profile" in ok else ""
     for ax, label in ((step_ax, "step time, median (ms; bars p10–p90)"), (tps_ax, "tokens / s")):
         _seq_axis(ax)
         ax.set_ylabel(label)
+        ax.set_title(label.split(",")[0].capitalize() + measurement_note(frame) + (f" on {gpus}" if gpus else ""))
     _legend(tps_ax)
     return fig
 

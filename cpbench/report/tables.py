@@ -23,14 +23,15 @@ PARITY_TEXT = {"pass": "parity ✓", "fail": "parity ✗ FAIL", "reference_oom":
 
 def cell(row: pd.Series, unit: tuple[int, str] = (units.GIB, "GiB")) -> str:
     """One point as the table shows it, its peak in the table's `unit`. A projected point says so: its peak is a
-    projection, and it has no time and no parity (`cpbench estimate`)."""
+    projection, its time one on a GPU profile (`estimate --gpu`; none without), and it has no parity."""
     status = row["status"]
     peak = units.in_unit(row["peak_bytes"], unit)
     if row.get("measurement") == "projected":
+        step = row.get("projected_step_s")
         if status == "ok":
-            return f"{peak} projected"
+            return f"{peak}, {units.seconds(step)} projected" if pd.notna(step) else f"{peak} projected"
         if status == "oom" and pd.notna(row["peak_bytes"]):
-            return f"out of memory ({peak} projected)"
+            return f"out of memory ({peak}{', ' + units.seconds(step) if pd.notna(step) else ''} projected)"
         return STATUS_TEXT.get(status, str(status))
     if status != "ok":
         return STATUS_TEXT.get(status, str(status))

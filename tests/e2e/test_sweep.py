@@ -242,3 +242,59 @@ def test_a_second_sweep_under_the_same_run_name_is_refused_naming_resume(tmp_pat
     store.append_rows(tmp_path / "results" / "default-cpu" / "ci", [{"point_id": "p", "status": "ok"}])
     assert _sweep("--out", str(tmp_path / "results"), "--run-name", "ci") == 2
     assert "--resume" in capsys.readouterr().err
+
+
+# Rough figures of a 2-core CPU with gloo (the time model's profile format): what matters for ranking is that
+# work, bytes, collectives and ops are all priced; the absolute times are not judged.
+CPU_PROFILE = """[cpu-2core]
+title = "2 CPU cores, gloo on loopback"
+memory = "24GiB"
+bf16_tflops = 0.05
+fp32_tflops = 0.1
+hbm_tb_s = 0.01
+nvlink_gb_s = 2
+network_gb_s = 1
+pcie_gb_s = 10
+host_gb_s = 10
+kernel_s = 5e-6
+cpu_op_s = 2e-5
+intra_node_latency_s = 5e-5
+inter_node_latency_s = 5e-5
+[cpu-2core.efficiency]
+gemm = 0.5
+attention_forward = 0.3
+attention_backward = 0.3
+attention_cudnn_forward = 0.3
+attention_cudnn_backward = 0.3
+attention_efficient_forward = 0.3
+attention_efficient_backward = 0.3
+memory = 0.5
+intra_node = 0.5
+inter_node = 0.5
+pcie = 0.5
+host = 0.5
+"""
+
+
+def test_projected_times_rank_the_measured_cpu_points_as_their_measurements_do(run, tmp_path):
+    """Rank agreement, not absolute time: every pair of measured points whose step times differ by more than
+    a quarter (closer pairs are within a 2-core machine's noise) must come out in the same order projected."""
+    import json
+
+    from cpbench.harness.project import hardware
+    from cpbench.harness.project.projection import project_rank
+    from cpbench.harness.suite.spec import Point
+
+    (tmp_path / "cpu.toml").write_text(CPU_PROFILE)
+    cpu = hardware.load(str(tmp_path / "cpu.toml"))
+    ok = run["df"][run["df"]["status"] == "ok"]
+    measured, projected = {}, {}
+    for pid, r in ok.iterrows():
+        point = Point.from_dict(json.loads(r["spec_json"]))
+        projected[pid] = max(project_rank(point, rank, cpu, gpus_per_node=2)["time"]["step_s"]
+                             for rank in range(point.cp_size))
+        measured[pid] = r["step_time_median_s"]
+    judged = [(a, b) for a in measured for b in measured if measured[a] > 1.25 * measured[b]]
+    assert len(judged) >= 3, measured  # lengths 128 and 1024, cp 1 and 2: clearly different steps
+    discordant = [(a, b) for a, b in judged if not projected[a] > projected[b]]
+    assert not discordant, (measured, projected)
