@@ -7,7 +7,7 @@ Its rooms, one concept each (each sub-package's docstring says what it owns and 
             measured runs and projections;
 - run/      the driver of measured points: the sweep, launchers, the worker, records, rows, skips, progress;
 - project/  the driver of projected points: the same step on fake tensors and a fake process group (`estimate`,
-            `--max-seq`);
+            `--max-seq`), its time on a GPU profile, `calibrate` and `plan`;
 - peers/    other CP implementations side by side on one attention op.
 commands.py is the CLI's harness half: argument parsing that calls into run/ and project/.
 """

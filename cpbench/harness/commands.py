@@ -49,6 +49,9 @@ def register(subparsers) -> None:
                      help="price each projected step on this GPU: step time, its breakdown, tokens/s, MFU "
                           "(h100-sxm, h100-pcie, h200, a100-sxm, b200, or a profile file from `cpbench calibrate`); "
                           "its memory is the capacity unless --device-memory or the suite's memory_budget is given")
+    est.add_argument("--sdpa-kernel", default=None, choices=("flash", "cudnn", "efficient"),
+                     help="with --gpu: the kernel a model's own SDPA call runs (default: the profile's, what torch "
+                          "picks there today: cudnn on H100/H200/B200 with torch >= 2.10, flash on A100)")
     est.add_argument("--device-memory", default=None,
                      help="capacity per rank, e.g. 80GiB: a point whose projected peak passes it is `oom` "
                           "(default: the suite's memory_budget, else the --gpu profile's memory)")
@@ -261,7 +264,8 @@ def estimate_command(args) -> int:
         suite = _quick_suite(args)
         opts = EstimateOptions(suite=suite, out=args.out, run=args.run, device_memory=args.device_memory,
                                host_memory=args.host_memory, gpus_per_node=args.gpus_per_node, max_seq=args.max_seq,
-                               granularity=args.granularity, jobs=args.jobs, gpu=args.gpu)
+                               granularity=args.granularity, jobs=args.jobs, gpu=args.gpu,
+                               sdpa_kernel=args.sdpa_kernel)
         run_dir = run_estimate(opts, on_row=lambda row: print(f"  {row['point_id']}: {row['status']}", flush=True))
     except ValueError as e:
         print(f"cpbench estimate: {e}", file=sys.stderr)

@@ -215,3 +215,14 @@ def test_a_projected_step_is_traced_with_its_streams_collectives_transfers_and_h
     # across nodes (10 GB/s) the same step is slower than inside one (100 GB/s)
     inside = simulate([o._replace(crosses_nodes=False) for o in ops], HW, "bfloat16")
     assert inside["step_s"] < t["step_s"]
+
+
+def test_a_models_own_sdpa_call_is_priced_as_the_kernel_sdpa_picks_on_the_gpu():
+    cudnn = dataclasses.replace(HW.with_efficiency(attention_cudnn_forward=0.8), sdpa_kernel="cudnn")
+    sdpa = op("attention_forward_sdpa", flops=40e12 * 1e-3)  # 1 ms at the flash efficiency (0.4 of 100 TFLOP/s)
+    assert op_seconds(sdpa, HW, "bfloat16") == pytest.approx(1e-3)  # HW: flash
+    assert op_seconds(sdpa, cudnn, "bfloat16") == pytest.approx(0.5e-3)
+    ring_tile = op("attention_forward", flops=40e12 * 1e-3)  # an explicit flash call stays flash
+    assert op_seconds(ring_tile, cudnn, "bfloat16") == pytest.approx(1e-3)
+    shipped = hardware.builtin()
+    assert shipped["h100-sxm"].sdpa_kernel == "cudnn" and shipped["a100-sxm"].sdpa_kernel == "flash"

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from cpbench.harness.project.hardware import Hardware
-from cpbench.harness.project.timing import simulate
+from cpbench.harness.project.timing import efficiency_key, simulate
 
 # parameter -> (lowest, highest): efficiencies are fractions of a peak, overheads seconds
 BOUNDS = {"efficiency": (0.01, 1.0), "kernel_s": (1e-7, 1e-3), "cpu_op_s": (1e-7, 1e-3)}
@@ -36,11 +36,11 @@ class Sample:
         return max(simulate(t, hw, self.dtype)["step_s"] for t in self.traces)
 
 
-def _used(samples: list[Sample]) -> list[str]:
+def _used(samples: list[Sample], hw: Hardware) -> list[str]:
     """The parameters the traces exercise: each efficiency a trace's ops price with, and the overheads."""
     kinds = {op.kind for s in samples for t in s.traces for op in t}
     streams = {(op.stream, op.crosses_nodes) for s in samples for t in s.traces for op in t}
-    used = [k for k in kinds if k.startswith(("gemm", "attention"))]
+    used = [efficiency_key(k, hw) for k in kinds if k.startswith(("gemm", "attention"))]
     if kinds & {"memory", "copy_out", "gemm"} or any(k.startswith("attention") for k in kinds):
         used.append("memory")
     if kinds & {"all_gather", "reduce_scatter", "all_to_all", "all_reduce", "p2p"}:
@@ -74,7 +74,7 @@ def fit(samples: list[Sample], start: Hardware, rounds: int = 8) -> Hardware:
     """Coordinate descent over the used parameters, each by multiplicative steps that shrink every round."""
     if not samples:
         raise ValueError("nothing to calibrate on: the run has no measured `ok` point with a step time")
-    params, hw = _used(samples), start
+    params, hw = _used(samples, start), start
     best = loss(samples, hw)
     for r in range(rounds):
         width = 1.0 / (1 + r)  # the factors' spread (in log) narrows each round

@@ -18,10 +18,11 @@ import concurrent.futures as futures
 import multiprocessing
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from cpbench.harness.measure.env import fingerprint
+from cpbench.harness.project.hardware import SDPA_KERNELS
 from cpbench.harness.project.hardware import load as load_hardware
 from cpbench.harness.project.projection import project_rank, projected_ranks, stand_in
 from cpbench.harness.run import rows
@@ -45,6 +46,7 @@ class EstimateOptions:
     granularity: int = 1024
     jobs: int | None = None  # worker processes (default: the CPUs, at most 8); 1: in this process
     gpu: str | None = None  # a GPU profile (hardware.py): projected time, and the capacity when none is given
+    sdpa_kernel: str | None = None  # the kernel a model's own SDPA call is priced as (default: the profile's)
 
 
 class Estimator:
@@ -102,6 +104,10 @@ def run_estimate(opts: EstimateOptions, on_row=None) -> Path:
     """Projects a suite (or, with `max_seq`, searches its largest lengths); returns the run folder."""
     suite = opts.suite if isinstance(opts.suite, Suite) else resolve_suite(opts.suite)
     hardware = load_hardware(opts.gpu) if opts.gpu else None
+    if opts.sdpa_kernel is not None:
+        if hardware is None or opts.sdpa_kernel not in SDPA_KERNELS:
+            raise ValueError(f"--sdpa-kernel {opts.sdpa_kernel!r}: give one of {list(SDPA_KERNELS)}, with --gpu.")
+        hardware = replace(hardware, sdpa_kernel=opts.sdpa_kernel)
     capacity = capacity_of(opts, suite, hardware)
     host_capacity = parse_bytes(opts.host_memory, field_name="--host-memory") if opts.host_memory else None
     if opts.max_seq and capacity is None:

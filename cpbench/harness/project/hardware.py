@@ -15,6 +15,7 @@ from pathlib import Path
 from cpbench.report.units import parse_bytes
 
 GPUS_FILE = Path(__file__).with_name("gpus.toml")
+SDPA_KERNELS = ("flash", "cudnn", "efficient")
 
 # What each efficiency is the fraction of (timing.py reads them by these names).
 EFFICIENCIES = {
@@ -53,6 +54,9 @@ class Hardware:
     inter_node_latency_s: float
     sources: dict = field(default_factory=dict)  # field -> where the figure comes from
     device_names: tuple = ()  # the names torch / NVML report for this GPU (a measured run's `device_name`)
+    # The kernel torch's SDPA runs for a model's causal bf16 attention on this GPU: cuDNN on Hopper and Blackwell
+    # from torch 2.10 with cuDNN >= 9.15.1 (sdp_utils.cpp check_prefer_cudnn_attention), else flash.
+    sdpa_kernel: str = "flash"
 
     def peak(self, dtype: str) -> float:
         if dtype not in self.peak_flops:
@@ -67,6 +71,7 @@ class Hardware:
         """The profile as a TOML table that `load` reads back (what `cpbench calibrate` writes)."""
         d = asdict(self)
         lines = [f"[{self.name}]", f"title = {_q(self.title)}", f"memory = {_q(str(self.memory_bytes))}",
+                 f"sdpa_kernel = {_q(self.sdpa_kernel)}",
                  "device_names = [" + ", ".join(_q(n) for n in self.device_names) + "]"]
         lines += [f"{dt}_tflops = {v / 1e12!r}" for dt, v in d["peak_flops"].items()]
         for key, unit in _RATES.items():
@@ -105,6 +110,9 @@ def _parse(name: str, table: dict, defaults: dict, origin: str) -> Hardware:
         [f"efficiency.{k}" for k in EFFICIENCIES if k not in efficiency]
     if missing:
         raise ValueError(f"{where}: missing {missing}; give each (see cpbench/harness/project/gpus.toml).")
+    sdpa = merged.get("sdpa_kernel", "flash")
+    if sdpa not in SDPA_KERNELS:
+        raise ValueError(f"{where}: sdpa_kernel = {sdpa!r}: give one of {list(SDPA_KERNELS)}.")
     for k, v in efficiency.items():
         if not 0 < v <= 1:
             raise ValueError(f"{where}: efficiency.{k} = {v}: give a fraction of the peak in (0, 1].")
@@ -116,7 +124,7 @@ def _parse(name: str, table: dict, defaults: dict, origin: str) -> Hardware:
         name=name, title=merged.get("title", name), memory_bytes=parse_bytes(str(merged["memory"]),
                                                                             field_name=f"{where} memory"),
         peak_flops=peaks, **{_RATE_FIELDS[k]: float(merged[k]) * u for k, u in _RATES.items()},
-        efficiency=efficiency, sources=sources, device_names=tuple(merged.get("device_names", ())),
+        efficiency=efficiency, sources=sources, device_names=tuple(merged.get("device_names", ())), sdpa_kernel=sdpa,
         **{k: float(merged[k]) for k in ("kernel_s", "cpu_op_s", "intra_node_latency_s", "inter_node_latency_s")},
     )
 

@@ -47,6 +47,13 @@ def collective_seconds(kind: str, nbytes: float, group: int, crosses_nodes: bool
     raise ValueError(f"unknown collective kind {kind!r}")
 
 
+def efficiency_key(kind: str, hw: Hardware) -> str:
+    """The efficiency an op's kind is priced at: a model's own SDPA call runs the kernel SDPA picks on the GPU."""
+    if kind.endswith("_sdpa"):
+        return kind[: -len("_sdpa")] + {"flash": "", "cudnn": "_cudnn", "efficient": "_efficient"}[hw.sdpa_kernel]
+    return kind
+
+
 def op_seconds(op: Op, hw: Hardware, dtype: str) -> float:
     if op.kind == "sync":
         return 0.0
@@ -58,7 +65,7 @@ def op_seconds(op: Op, hw: Hardware, dtype: str) -> float:
         return op.bytes / (hw.host_bytes_per_s * hw.efficiency["host"])
     memory = op.bytes / (hw.hbm_bytes_per_s * hw.efficiency["memory"])
     if op.flops:
-        math = op.flops / (hw.peak(dtype) * hw.efficiency[op.kind])
+        math = op.flops / (hw.peak(dtype) * hw.efficiency[efficiency_key(op.kind, hw)])
         return max(math, memory, hw.kernel_s)
     return max(memory, hw.kernel_s)
 

@@ -31,7 +31,8 @@ from cpbench.harness.measure.collectives import _OPS as COLLECTIVES
 
 class Op(NamedTuple):
     stream: str  # compute | ag | rs | nccl | host
-    # gemm | attention_{forward,backward}[_cudnn|_efficient] | memory | copy_out | sync | a collective | h2d | d2h
+    # gemm | attention_{forward,backward}[_cudnn|_efficient|_sdpa] | memory | copy_out | sync | a collective | h2d
+    # | d2h. `_sdpa`: the model called SDPA itself, which picks its kernel on the GPU (hardware.sdpa_kernel)
     kind: str
     phase: str  # step | optimizer
     flops: float
@@ -209,8 +210,9 @@ class StepTrace(TorchDispatchMode):
             kind, flops = "gemm", _gemm_flops(name, args)
         elif name in _ATTENTION:
             direction, family, _, _ = _ATTENTION[name]
-            if name.endswith(("_for_cpu", "_for_cpu_backward")) and (kwargs or {}).get("attn_mask") is not None:
-                family = "_efficient"  # a mask: CUDA's SDPA takes the memory-efficient kernel
+            if name.endswith(("_for_cpu", "_for_cpu_backward")):  # the model's own SDPA call
+                # a mask: CUDA's SDPA takes the memory-efficient kernel; else the one the GPU's torch prefers
+                family = "_efficient" if (kwargs or {}).get("attn_mask") is not None else "_sdpa"
             kind, flops = f"attention_{direction}{family}", attention_flops(name, args)
         else:
             kind, flops = "memory", 0.0
