@@ -219,10 +219,21 @@ def test_a_projected_step_is_traced_with_its_streams_collectives_transfers_and_h
 
 def test_a_models_own_sdpa_call_is_priced_as_the_kernel_sdpa_picks_on_the_gpu():
     cudnn = dataclasses.replace(HW.with_efficiency(attention_cudnn_forward=0.8), sdpa_kernel="cudnn")
-    sdpa = op("attention_forward_sdpa", flops=40e12 * 1e-3)  # 1 ms at the flash efficiency (0.4 of 100 TFLOP/s)
+    sdpa = op("attention_sdpa_forward", flops=40e12 * 1e-3)  # 1 ms at the flash efficiency (0.4 of 100 TFLOP/s)
     assert op_seconds(sdpa, HW, "bfloat16") == pytest.approx(1e-3)  # HW: flash
     assert op_seconds(sdpa, cudnn, "bfloat16") == pytest.approx(0.5e-3)
     ring_tile = op("attention_forward", flops=40e12 * 1e-3)  # an explicit flash call stays flash
     assert op_seconds(ring_tile, cudnn, "bfloat16") == pytest.approx(1e-3)
     shipped = hardware.builtin()
     assert shipped["h100-sxm"].sdpa_kernel == "cudnn" and shipped["a100-sxm"].sdpa_kernel == "flash"
+
+
+def test_every_attention_kind_the_trace_makes_has_an_efficiency_on_every_sdpa_kernel():
+    from cpbench.harness.project.timing import efficiency_key
+    from cpbench.harness.project.trace import _ATTENTION
+
+    kinds = {f"attention{family}_{direction}" for direction, family, _, _ in _ATTENTION.values()}
+    kinds |= {f"attention_sdpa_{d}" for d in ("forward", "backward")}
+    for kernel in hardware.SDPA_KERNELS:
+        hw = dataclasses.replace(HW, sdpa_kernel=kernel)
+        assert {efficiency_key(k, hw) for k in kinds} <= set(hardware.EFFICIENCIES), kernel

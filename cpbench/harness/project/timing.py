@@ -49,8 +49,8 @@ def collective_seconds(kind: str, nbytes: float, group: int, crosses_nodes: bool
 
 def efficiency_key(kind: str, hw: Hardware) -> str:
     """The efficiency an op's kind is priced at: a model's own SDPA call runs the kernel SDPA picks on the GPU."""
-    if kind.endswith("_sdpa"):
-        return kind[: -len("_sdpa")] + {"flash": "", "cudnn": "_cudnn", "efficient": "_efficient"}[hw.sdpa_kernel]
+    if kind.startswith("attention_sdpa_"):
+        return kind.replace("_sdpa", {"flash": "", "cudnn": "_cudnn", "efficient": "_efficient"}[hw.sdpa_kernel])
     return kind
 
 

@@ -31,7 +31,7 @@ from cpbench.harness.measure.collectives import _OPS as COLLECTIVES
 
 class Op(NamedTuple):
     stream: str  # compute | ag | rs | nccl | host
-    # gemm | attention_{forward,backward}[_cudnn|_efficient|_sdpa] | memory | copy_out | sync | a collective | h2d
+    # gemm | attention[_cudnn|_efficient|_sdpa]_{forward,backward} | memory | copy_out | sync | a collective | h2d
     # | d2h. `_sdpa`: the model called SDPA itself, which picks its kernel on the GPU (hardware.sdpa_kernel)
     kind: str
     phase: str  # step | optimizer
@@ -213,7 +213,7 @@ class StepTrace(TorchDispatchMode):
             if name.endswith(("_for_cpu", "_for_cpu_backward")):  # the model's own SDPA call
                 # a mask: CUDA's SDPA takes the memory-efficient kernel; else the one the GPU's torch prefers
                 family = "_efficient" if (kwargs or {}).get("attn_mask") is not None else "_sdpa"
-            kind, flops = f"attention_{direction}{family}", attention_flops(name, args)
+            kind, flops = f"attention{family}_{direction}", attention_flops(name, args)
         else:
             kind, flops = "memory", 0.0
         moved = _nbytes(inputs) + _nbytes(outputs)  # read, then written (an in-place op: both; `out=` is an input)
