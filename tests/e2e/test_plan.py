@@ -79,6 +79,11 @@ def test_the_search_starts_a_smaller_cp_at_the_rung_the_larger_needed_and_prunes
         chain.send(_row("ok", step=1.0 / 4, compute=0.99 / 4))
     assert search.best == pytest.approx(8192 * 4 / 4)
     assert any("cp <= 1" in p and "not 2 % above the best" in p for p in search.pruned)
+    # USP's attention is the zigzag ring's: once the ring's bound is not above the best, no USP point is projected
+    search.ring_bound[4] = search.best
+    with pytest.raises(StopIteration):
+        next(search.chain("sdpa", "cp_usp", 2))
+    assert any(p.startswith("cp_usp-u2/sdpa cp 4: at most") for p in search.pruned)
     # a cp where no rung fits ends the chain: smaller cps hold more
     chain = search.chain("sdpa", "cp_ring_zigzag", 1)
     next(chain)

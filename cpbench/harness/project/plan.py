@@ -13,7 +13,10 @@ Pruning, each said in the output:
 - the first rung that fits ends a cp (the higher ones only add time);
 - a smaller cp is not tried when it cannot be faster than the best found so far by `min_gain`: its compute per
   token is the larger cp's (the same work, split over the same GPUs), so its tokens/s are at most the larger
-  cp's tokens over that cp's compute and optimizer time.
+  cp's tokens over that cp's compute and optimizer time;
+- USP runs after the other styles, and is not tried at a cp where the zigzag ring's bound is not above the best:
+  its attention is the zigzag ring's, on groups of `degree` ranks (the same pairs, the same tile kernel), with
+  all-to-alls on top.
 """
 
 from __future__ import annotations
@@ -111,6 +114,7 @@ class Search:
     def __init__(self, opts: PlanOptions, capacity: int, config):
         self.opts, self.capacity, self.config = opts, capacity, config
         self.best = 0.0
+        self.ring_bound: dict[int, float] = {}  # cp -> the zigzag ring's tokens/s per GPU at most (USP's too)
         self.pruned: list[str] = []
         self.suites: dict[str, str] = {}  # point_id -> its suite text
 
@@ -126,6 +130,13 @@ class Search:
                 self.pruned.append(f"{label} cp <= {cp}: at most {bound:.4g} tok/s/GPU (the compute of cp {cp * 2}), "
                                    f"not {100 * self.opts.min_gain:g} % above the best {self.best:.4g}")
                 return
+            # the ring's bound at this cp or a larger one (a smaller cp's compute per token is the larger one's)
+            ring = min((b for c, b in self.ring_bound.items() if c >= cp), default=None) if style == "cp_usp" else None
+            if ring is not None and ring <= self.best * (1 + self.opts.min_gain):
+                self.pruned.append(f"{label} cp {cp}: at most {ring:.4g} tok/s/GPU (its attention is the zigzag "
+                                   f"ring's), not {100 * self.opts.min_gain:g} % above the best "
+                                   f"{self.best:.4g}")
+                continue
             fit, invalid = None, False
             for i in range(start, len(RUNGS)):
                 tokens = self.opts.seq // cp
@@ -154,6 +165,8 @@ class Search:
             self.best = max(self.best, row_tps)
             busy = row["projected_compute_s"] + row["projected_optimizer_s"]
             bound = row["projected_tokens_per_s"] / self.opts.gpus * row["projected_step_s"] / busy
+            if style == "cp_ring_zigzag":
+                self.ring_bound[cp] = bound
             start = fit
 
 
@@ -172,8 +185,9 @@ def run_plan(opts: PlanOptions, on_row=None) -> tuple[Path, Search]:
     estimator = Estimator(run_dir, base, capacity, on_row, host, opts.gpus // opts.nodes)
     estimator.hardware = hardware
     search = Search(opts, capacity, config)
-    chains = [search.chain(attn, style, degree) for attn, style, degree, _ in candidates_for(opts, config)]
-    run_chains(estimator, chains, opts.jobs)
+    axes = candidates_for(opts, config)
+    for phase in ([a for a in axes if a[1] != "cp_usp"], [a for a in axes if a[1] == "cp_usp"]):  # USP after the ring
+        run_chains(estimator, [search.chain(attn, style, degree) for attn, style, degree, _ in phase], opts.jobs)
     return run_dir, search
 
 
