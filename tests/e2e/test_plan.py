@@ -20,8 +20,8 @@ CAPACITY = 50_000_000
 
 
 def _plan(tmp, capsys):
-    rc = main(["plan", "--model", "tiny-llama", "--seq", "8192", "--gpus", "2", "--gpu", "h100-sxm",
-               "--device-memory", f"{CAPACITY}B", "--jobs", "1", "--results", str(tmp / "results"),
+    rc = main(["plan", "--model", "tiny-llama", "--seq", "8192", "--gpus", "2", "--gpu", "h100-sxm", "--device-memory",
+               f"{CAPACITY + 1000}B", "--headroom", "1000B", "--jobs", "1", "--results", str(tmp / "results"),
                "--out", str(tmp / "suites")])
     return rc, capsys.readouterr().out
 

@@ -22,6 +22,9 @@ def register(subparsers) -> None:
     plan.add_argument("--nodes", type=int, default=1, help="nodes the GPUs are spread over (default 1)")
     plan.add_argument("--host-memory", default=None, help="host memory per node, e.g. 2TiB (default: not checked)")
     plan.add_argument("--device-memory", default=None, help="memory per GPU (default: the profile's)")
+    plan.add_argument("--headroom", default="4GiB",
+                      help="memory per GPU a configuration must leave free of its projected peak, for what a "
+                           "projection does not see: the CUDA context, NCCL's buffers, fragmentation (default 4GiB)")
     plan.add_argument("--styles", default="cp_ulysses,cp_ring_zigzag,cp_usp",
                       help="CP styles searched (default cp_ulysses,cp_ring_zigzag,cp_usp: USP at each Ulysses degree)")
     plan.add_argument("--attn", default="sdpa", help="attention backends searched (default sdpa)")
@@ -66,7 +69,7 @@ def plan_command(args) -> int:
     t0 = time.perf_counter()
     try:
         opts = PlanOptions(model=args.model, seq=args.seq, gpus=args.gpus, gpu=args.gpu, nodes=args.nodes,
-                           host_memory=args.host_memory, device_memory=args.device_memory,
+                           host_memory=args.host_memory, device_memory=args.device_memory, headroom=args.headroom,
                            styles=tuple(s.strip() for s in args.styles.split(",") if s.strip()),
                            attn=tuple(a.strip() for a in args.attn.split(",") if a.strip()),
                            overrides=_overrides(args.override), min_gain=args.min_gain, out=args.results,

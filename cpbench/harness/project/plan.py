@@ -52,6 +52,7 @@ class PlanOptions:
     nodes: int = 1
     host_memory: str | None = None
     device_memory: str | None = None
+    headroom: str = "4GiB"  # kept free of the projected peak: the CUDA context, NCCL's buffers, fragmentation
     styles: tuple = ("cp_ulysses", "cp_ring_zigzag", "cp_usp")
     attn: tuple = ("sdpa",)
     dtype: str = "bfloat16"
@@ -177,8 +178,11 @@ def run_plan(opts: PlanOptions, on_row=None) -> tuple[Path, Search]:
                          "share evenly, e.g. --gpus 16 --nodes 2.")
     hardware = load_hardware(opts.gpu)
     config = get_preset(opts.model).config(opts.overrides)
-    capacity = parse_bytes(opts.device_memory, field_name="--device-memory") if opts.device_memory else \
+    memory = parse_bytes(opts.device_memory, field_name="--device-memory") if opts.device_memory else \
         hardware.memory_bytes
+    capacity = memory - parse_bytes(opts.headroom, field_name="--headroom")
+    if capacity <= 0:
+        raise ValueError(f"--headroom {opts.headroom}: leaves nothing of the {memory} bytes per GPU; give less.")
     host = parse_bytes(opts.host_memory, field_name="--host-memory") if opts.host_memory else None
     base = load_suite("plan", text=suite_text(opts, opts.attn[0], "cp_ulysses", 1, 1, {}))
     run_dir = pick_run_dir(Path(opts.out) / base.name, opts.run, resume=False)
