@@ -30,9 +30,9 @@ est alst-llama-15m --model llama-3-8b --override max_position_embeddings=1677721
   --world-size 32 --styles cp_ulysses --recompute --loss chunked --offload-params --offload-activations --tiled-mlp \
   --gpu h100-sxm --sdpa-kernel flash
 # torchtitan, Llama 3.1 8B, FSDP over 8 H100s, 8192 tokens, local batch 2 (selective AC: recompute every 2nd layer);
-# torch of December 2024, whose SDPA took the flash kernel (cuDNN was opt-in)
+# torch of December 2024, whose SDPA took the flash kernel (cuDNN was opt-in); their cards hold 95 GiB
 est titan-llama-8b-h100 --model llama-3-8b --seq 8192 --cp 1 --world-size 8 --recompute --recompute-every 2 \
-  --batch-size 2 --gpu h100-sxm --sdpa-kernel flash
+  --batch-size 2 --gpu h100-sxm --sdpa-kernel flash --device-memory 95GiB
 # torchtitan, Llama 3 8B, FSDP over 64 A100s (8 nodes), 8192 tokens, local batch 1, selective layer AC
 est titan-llama-8b-a100 --model llama-3-8b --seq 8192 --cp 1 --world-size 64 --recompute --recompute-every 2 \
   --gpu a100-sxm

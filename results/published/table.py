@@ -26,12 +26,15 @@ def main() -> None:
         value, note = projected(name, m["unit"])
         cell = f"{value:,.0f} {m['unit']}" if value is not None else "-"
         error = f"{100 * (value / m['measured'] - 1):+.0f} %" if value is not None else "-"
-        if value is not None:
+        if value is not None and m.get("judged", True):
             errors.append(abs(value / m["measured"] - 1))
+        if not m.get("judged", True):
+            error += " (not judged)"
         notes = "; ".join(filter(None, [note, m.get("differs")]))
         lines.append(f"| {m['source']} | {m['config']} | {m['measured']:,} {m['unit']} | {cell} | {error} | {notes} |")
     if errors:
-        lines.append(f"\nMean absolute error {100 * sum(errors) / len(errors):.0f} % over {len(errors)} measurements.")
+        lines.append(f"\nMean absolute error {100 * sum(errors) / len(errors):.0f} % over the {len(errors)} like-for-like "
+                     "measurements.")
     (HERE / "table.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
