@@ -1,7 +1,8 @@
 """Two runs side by side, point by point (matched on KEY_COLUMNS), with the change per metric.
 
 `compare(a, b)` is numeric (for notebooks and plots): per point each metric's value in A and B and its
-relative change; `render` turns it into the Markdown `python -m cpbench compare` prints.
+relative change; `render` turns it into the Markdown `python -m cpbench compare` prints. `beside_projected`: a
+measured run beside a projection of the same points, and the projection's error (`report RUN --projected PROJ`).
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import pandas as pd
 
 from . import units
-from .match import check_unique, match_points
+from .match import check_unique, match_points, side
 
 METRICS = {  # column -> (heading, renderer)
     "peak_bytes": ("peak / rank", units.human_bytes),
@@ -76,3 +77,26 @@ def render(comparison: pd.DataFrame, label_a: str, label_b: str) -> str:
         if points:
             lines += ["", f"{title}:"] + [f"- {p}" for p in points]
     return "\n".join(lines) + "\n"
+
+
+def beside_projected(measured: pd.DataFrame, projected: pd.DataFrame) -> pd.DataFrame:
+    """One row per point both runs hold ok: measured and projected step and peak, and the projection's errors."""
+    pairs = match_points(measured, projected, ("_m", "_p"))
+    rows = []
+    for _, pair in pairs[pairs["_merge"] == "both"].iterrows():
+        m, p = side(pair, "_m"), side(pair, "_p")
+        if m["status"] != "ok" or p["status"] not in ("ok", "oom"):
+            continue
+        step, proj = m["step_time_median_s"], p.get("projected_step_s")
+        timed = pd.notna(step) and pd.notna(proj)
+        rows.append({
+            "point": m["point_id"],
+            "measured step": units.seconds(step),
+            "projected step": f"{units.seconds(proj)} ({p['gpu_profile']})" if pd.notna(proj) else "no --gpu",
+            "step error": f"{100 * (proj / step - 1):+.0f} %" if timed else "",
+            "measured peak": units.human_bytes(m["peak_bytes"]),
+            "projected peak": units.human_bytes(p["peak_bytes"]),
+            "peak error": f"{100 * (p['peak_bytes'] / m['peak_bytes'] - 1):+.1f} %" if m["peak_bytes"] else "",
+        })
+    return pd.DataFrame(rows, columns=["point", "measured step", "projected step", "step error", "measured peak",
+                                       "projected peak", "peak error"])

@@ -11,7 +11,7 @@ from pathlib import Path
 import pandas as pd
 
 from . import plots, tables, units
-from .beside import beside_projected
+from .compare import beside_projected
 from .derive import measurement_note, ratios_vs_cp1
 from .load import run_label
 from .peers import has_peers, peers_table

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from cpbench.cli import main
 from cpbench.report import store
-from cpbench.report.beside import beside_projected
+from cpbench.report.compare import beside_projected
 from cpbench.report.load import load_run
 
 BASELINE = Path(__file__).parents[2] / "results" / "baselines" / "smoke.parquet"

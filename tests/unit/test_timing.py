@@ -237,3 +237,67 @@ def test_every_attention_kind_the_trace_makes_has_an_efficiency_on_every_sdpa_ke
     for kernel in hardware.SDPA_KERNELS:
         hw = dataclasses.replace(HW, sdpa_kernel=kernel)
         assert {efficiency_key(k, hw) for k in kinds} <= set(hardware.EFFICIENCIES), kernel
+
+
+# Rough figures of one core of a 2-core CPU, each rank of a cp 2 run having one (the profile format; what matters
+# for ranking is that work, bytes, collectives and ops are all priced, not the absolute times).
+CPU_CORE = """[cpu-core]
+title = "one CPU core, gloo on loopback"
+memory = "12GiB"
+bf16_tflops = 0.02
+fp32_tflops = 0.05
+hbm_tb_s = 0.005
+nvlink_gb_s = 2
+network_gb_s = 1
+pcie_gb_s = 10
+host_gb_s = 5
+kernel_s = 5e-6
+cpu_op_s = 3e-5
+intra_node_latency_s = 5e-5
+inter_node_latency_s = 5e-5
+[cpu-core.efficiency]
+gemm = 0.5
+attention_forward = 0.3
+attention_backward = 0.3
+attention_cudnn_forward = 0.3
+attention_cudnn_backward = 0.3
+attention_efficient_forward = 0.3
+attention_efficient_backward = 0.3
+memory = 0.5
+intra_node = 0.5
+inter_node = 0.5
+pcie = 0.5
+host = 0.5
+"""
+CPU_POINTS = ("s512/cp2/eager/cp_ulysses", "s2048/cp2/eager/cp_ulysses", "s512/cp2/sdpa/cp_ulysses",
+              "s2048/cp2/sdpa/cp_ulysses", "s2048/cp2/sdpa/cp_ring_zigzag")
+
+
+def test_projected_times_rank_measured_cpu_points_as_their_measurements_do(tmp_path):
+    """Rank agreement with a measured CPU sweep (the default suite's committed baseline), not absolute time: of
+    its cp 2 points (ranks that share the machine alike), every pair whose measured steps differ by more than a
+    quarter (closer pairs are within a 2-core machine's noise) comes out in the same order projected."""
+    import json
+    from pathlib import Path
+
+    from cpbench.harness.project.projection import project_rank, projected_ranks
+    from cpbench.harness.suite.spec import Point
+    from cpbench.report.load import load_run
+
+    (tmp_path / "cpu.toml").write_text(CPU_CORE)
+    cpu = hardware.load(str(tmp_path / "cpu.toml"))
+    baseline = load_run(Path(__file__).parents[2] / "results" / "baselines" / "smoke.parquet")
+    rows = baseline[baseline["point_id"].isin([f"tiny-qwen3/{p}" for p in CPU_POINTS])]
+    assert len(rows) == len(CPU_POINTS) and (rows["status"] == "ok").all()
+    measured, projected = {}, {}
+    for r in rows.to_dict("records"):
+        point = Point.from_dict(json.loads(r["spec_json"]))
+        projected[r["point_id"]] = max(project_rank(point, rank, cpu, gpus_per_node=2)["time"]["step_s"]
+                                       for rank in projected_ranks(point))
+        measured[r["point_id"]] = r["step_time_median_s"]
+    judged = [(a, b) for a in measured for b in measured if measured[a] > 1.25 * measured[b]]
+    assert len(judged) >= 6, measured  # 512 and 2048 tokens, eager and sdpa: clearly different steps
+    discordant = [(a, b) for a, b in judged if not projected[a] > projected[b]]
+    table = "; ".join(f"{pid.split('/', 1)[1]}: measured {measured[pid]:.4f} s, projected {projected[pid]:.4f} s"
+                      for pid in sorted(measured, key=measured.get))
+    assert not discordant, table
