@@ -20,6 +20,7 @@ from . import units
 from .gate_rules import Rule
 from .load import schema_versions
 from .match import check_unique, match_points, side
+from .schema import ADDED_SINCE, SCHEMA_VERSION
 from .stats import judge_samples
 
 CRASHES = ("error", "timeout")
@@ -54,7 +55,7 @@ def check_comparable(baseline: pd.DataFrame, run: pd.DataFrame, *, allow_hardwar
                      allow_schema_mismatch: bool = False, allow_measurement_mismatch: bool = False) -> bool:
     """Raises GateRefusal unless the runs can be compared; returns whether they ran on the same hardware."""
     base_v, run_v = schema_versions(baseline), schema_versions(run)
-    if base_v != run_v and not allow_schema_mismatch:
+    if base_v != run_v and not allow_schema_mismatch and not _only_added(base_v + run_v):
         raise GateRefusal(f"schema_version: baseline {base_v}, run {run_v}; refresh the baseline with "
                           f"--update-baseline (after checking the run), or pass --allow-schema-mismatch")
     base_m, run_m = _values(baseline, "measurement"), _values(run, "measurement")
@@ -68,6 +69,13 @@ def check_comparable(baseline: pd.DataFrame, run: pd.DataFrame, *, allow_hardwar
                           f"on the same hardware — gate against a baseline recorded there, or pass "
                           f"--allow-hardware-mismatch (then status, parity and CPU memory are gated, the rest listed)")
     return base_hw == run_hw
+
+
+def _only_added(versions: list[int]) -> bool:
+    """Whether every version differs from the current one only by columns added since (schema.ADDED_SINCE): the
+    metrics a gate compares are then the same columns with the same meaning."""
+    return all(version <= SCHEMA_VERSION and all(v in ADDED_SINCE for v in range(version, SCHEMA_VERSION))
+               for version in versions)
 
 
 def hardware_bound(metric: str, cuda: bool) -> bool:

@@ -122,6 +122,10 @@ def test_different_hardware_or_schema_is_refused_unless_allowed(baseline):
     assert check_comparable(baseline, baseline) is True
     with pytest.raises(GateRefusal, match="schema_version"):
         check_comparable(baseline, baseline.assign(schema_version=SCHEMA_VERSION + 1))
+    # a baseline of a version whose successors only added columns (schema.ADDED_SINCE) gates as it is
+    assert check_comparable(baseline.assign(schema_version=7), baseline) is True
+    with pytest.raises(GateRefusal, match="schema_version"):
+        check_comparable(baseline.assign(schema_version=6), baseline)
 
 
 def test_too_few_samples_make_a_slow_down_a_warning_not_a_failure():
