@@ -36,8 +36,10 @@ def register(subparsers) -> None:
     run.add_argument("--point", required=True, action="append", dest="points", help="point id (repeatable)")
     _common(run)
     run.set_defaults(func=run_command)
+    _register_estimate(subparsers)
 
 
+def _register_estimate(subparsers) -> None:
     est = subparsers.add_parser(
         "estimate", help="project a suite's points (fake tensors, fake process group): memory per rank, no GPU",
         description="Project a suite's points: cpbench's own step on fake tensors against a fake process group, in "
