@@ -91,7 +91,7 @@ def fit(samples: list[Sample], start: Hardware, rounds: int = 8) -> Hardware:
     return hw
 
 
-def samples_of_run(run_dir: Path, base: Hardware, gpus_per_node: int = 8, progress=None) -> list[Sample]:
+def samples_of_run(run_dir: Path, gpus_per_node: int = 8, progress=None) -> list[Sample]:
     """The run's measured ok points with their projected traces."""
     from cpbench.harness.project.projection import project_rank, projected_ranks
     from cpbench.harness.suite.spec import Point

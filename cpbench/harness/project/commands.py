@@ -147,7 +147,7 @@ def calibrate_command(args) -> int:
 
     try:
         base = load(args.gpu)
-        samples = samples_of_run(Path(args.run), base, progress=lambda pid: print(f"  traced {pid}", flush=True))
+        samples = samples_of_run(Path(args.run), progress=lambda pid: print(f"  traced {pid}", flush=True))
         unknown = set(args.holdout) - {s.point_id for s in samples}
         if unknown:
             raise ValueError(f"--holdout {sorted(unknown)}: not measured ok points of {args.run}")

@@ -53,12 +53,12 @@ class Estimator:
     """The run being written: one row per point, with the skip rules learned from what is written."""
 
     def __init__(self, run_dir: Path, suite: Suite, capacity: int | None, on_row=None, host_capacity: int | None = None,
-                 gpus_per_node: int = 8):
+                 gpus_per_node: int = 8, hardware=None):
         self.run_dir, self.suite, self.capacity, self.on_row = run_dir, suite, capacity, on_row
         self.ctx = {"run_id": run_dir.name, "env": fingerprint(suite.device), "budget": capacity,
                     "host_budget": host_capacity, "gpus_per_node": gpus_per_node, "measurement": "projected"}
         self.rules = SkipRules()
-        self.hardware = None  # a GPU profile: each projection is also priced on it (timing.py)
+        self.hardware = hardware  # a GPU profile: each projection is also priced on it (timing.py)
 
     def skip(self, point: Point) -> dict | None:
         """The `skipped` row of a point that is not projected (written), or None."""
@@ -120,8 +120,7 @@ def run_estimate(opts: EstimateOptions, on_row=None) -> Path:
     if jobs < 1:
         raise ValueError(f"--jobs {jobs}: give at least 1 (worker processes; 1 projects in this process).")
     run_dir = pick_run_dir(Path(opts.out) / suite.name, opts.run, resume=False)
-    estimator = Estimator(run_dir, suite, capacity, on_row, host_capacity, opts.gpus_per_node)
-    estimator.hardware = hardware
+    estimator = Estimator(run_dir, suite, capacity, on_row, host_capacity, opts.gpus_per_node, hardware)
     if opts.max_seq:
         from cpbench.harness.project.max_seq import chains
 

@@ -154,10 +154,6 @@ def load(spec: str) -> Hardware:
     return _parse(name, table, {}, str(path))  # a file is whole: no figure silently taken from another GPU
 
 
-def names() -> list[str]:
-    return list(builtin())
-
-
 def for_device(device_name: str | None) -> Hardware | None:
     """The shipped profile of a measured run's GPU (its `device_name`), or None."""
     return next((h for h in builtin().values() if (device_name or "").strip() in h.device_names), None)

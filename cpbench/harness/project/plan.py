@@ -64,17 +64,21 @@ class PlanOptions:
     jobs: int = 2
 
 
-def candidates_for(opts: PlanOptions, config) -> list[tuple[str, str, int, int]]:
-    """(attn, style, ulysses degree, cp) chains' axes, each chain's cp sizes from the largest down."""
-    cps = [c for c in (2 ** i for i in range(12)) if c <= opts.gpus and opts.gpus % c == 0]
-    heads = config.num_attention_heads
+def cp_sizes(gpus: int) -> list[int]:
+    """The cp sizes searched on `gpus` GPUs: the powers of two that divide them, largest first."""
+    return sorted((c for c in (2 ** i for i in range(12)) if c <= gpus and gpus % c == 0), reverse=True)
+
+
+def candidates_for(opts: PlanOptions, config) -> list[tuple[str, str, int]]:
+    """(attn, style, ulysses degree): one chain each; USP once per degree that shares the heads and leaves a ring."""
+    largest, heads = cp_sizes(opts.gpus)[0], config.num_attention_heads
     out = []
     for attn in opts.attn:
         for style in opts.styles:
             if style == "cp_usp":
-                out += [(attn, style, d, 0) for d in (2 ** i for i in range(1, 6)) if d < max(cps) and heads % d == 0]
+                out += [(attn, style, d) for d in (2 ** i for i in range(1, 6)) if d < largest and heads % d == 0]
             else:
-                out.append((attn, style, 1, 0))
+                out.append((attn, style, 1))
     return out
 
 
@@ -120,8 +124,7 @@ class Search:
         self.suites: dict[str, str] = {}  # point_id -> its suite text
 
     def chain(self, attn: str, style: str, degree: int):
-        cps = sorted((c for c in (2 ** i for i in range(12)) if c <= self.opts.gpus and self.opts.gpus % c == 0
-                      and (style != "cp_usp" or (c > degree and c % degree == 0))), reverse=True)
+        cps = [c for c in cp_sizes(self.opts.gpus) if style != "cp_usp" or (c > degree and c % degree == 0)]
         label = f"{style}{f'-u{degree}' if style == 'cp_usp' else ''}/{attn}"
         start, bound = 0, None
         for cp in cps:
@@ -186,12 +189,11 @@ def run_plan(opts: PlanOptions, on_row=None) -> tuple[Path, Search]:
     host = parse_bytes(opts.host_memory, field_name="--host-memory") if opts.host_memory else None
     base = load_suite("plan", text=suite_text(opts, opts.attn[0], "cp_ulysses", 1, 1, {}))
     run_dir = pick_run_dir(Path(opts.out) / base.name, opts.run, resume=False)
-    estimator = Estimator(run_dir, base, capacity, on_row, host, opts.gpus // opts.nodes)
-    estimator.hardware = hardware
+    estimator = Estimator(run_dir, base, capacity, on_row, host, opts.gpus // opts.nodes, hardware)
     search = Search(opts, capacity, config)
     axes = candidates_for(opts, config)
     for phase in ([a for a in axes if a[1] != "cp_usp"], [a for a in axes if a[1] == "cp_usp"]):  # USP after the ring
-        run_chains(estimator, [search.chain(attn, style, degree) for attn, style, degree, _ in phase], opts.jobs)
+        run_chains(estimator, [search.chain(attn, style, degree) for attn, style, degree in phase], opts.jobs)
     return run_dir, search
 
 
