@@ -16,7 +16,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from cpbench.report.schema import ARROW_SCHEMA, KEY_COLUMNS, SCHEMA_VERSION
+from cpbench.report.runs.schema import ARROW_SCHEMA, KEY_COLUMNS, SCHEMA_VERSION
 
 MIB = 1024**2
 NUM_PARAMS = 2_000_000

@@ -70,6 +70,8 @@ def _register_estimate(subparsers) -> None:
                      help="worker processes, one (point, rank) projection each (default: the CPUs, at most 8)")
     est.add_argument("--out", type=Path, default=Path("results"), help="results folder (default: results)")
     est.add_argument("--run-name", dest="run", default=None, help="run folder name (default: a UTC timestamp)")
+    est.add_argument("--wait", action="store_true",
+                     help="another process is writing the run: wait for it to finish (default: refuse, naming it)")
     quick = est.add_argument_group("one model without a suite file")
     quick.add_argument("--model", default=None, help="a preset, e.g. qwen3-0.6b")
     quick.add_argument("--seq", default=None, help="lengths, e.g. 16384,32768")
@@ -111,6 +113,9 @@ def _common(p: argparse.ArgumentParser) -> None:
                         "is only continued with --resume")
     p.add_argument("--resume", action="store_true",
                    help="finish a run: --run-name's, or else the suite's most recently written one")
+    p.add_argument("--wait", action="store_true",
+                   help="another process is writing the run: wait for it to finish, then go on (default: refuse, "
+                        "naming that process)")
     p.add_argument("--memory-budget", default=None, help="e.g. 80GiB: a point whose peak passes it is `oom`")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--allow-faults", action="store_true",
@@ -122,7 +127,7 @@ def _options(args, only=()):
 
     return SweepOptions(suite=args.suite, out=args.out, run=args.run, resume=getattr(args, "resume", False),
                         memory_budget=args.memory_budget, allow_faults=args.allow_faults, only=tuple(only),
-                        progress=not args.no_progress, cluster=_cluster(args))
+                        progress=not args.no_progress, cluster=_cluster(args), wait=args.wait)
 
 
 def _cluster(args):
@@ -146,7 +151,7 @@ def _cluster(args):
 def sweep_command(args) -> int:
     from cpbench.harness.run.summary import summary_table
     from cpbench.harness.run.sweep import failures, run_sweep
-    from cpbench.report import store
+    from cpbench.report.runs import store
 
     t0 = time.perf_counter()
     try:
@@ -173,13 +178,17 @@ def run_command(args) -> int:
         return sweep_command_for(args)
     from cpbench.harness.run.external import run_external
 
-    return run_external(args)
+    try:
+        return run_external(args)
+    except ValueError as e:  # e.g. another process writes the run (lock.RunLocked)
+        print(f"cpbench run: {e}", file=sys.stderr)
+        return 2
 
 
 def sweep_command_for(args) -> int:
     from cpbench.harness.run.summary import summary_table
     from cpbench.harness.run.sweep import failures, run_sweep
-    from cpbench.report import store
+    from cpbench.report.runs import store
 
     try:
         run_dir = run_sweep(_options(args, only=args.points))
@@ -258,7 +267,7 @@ def _toml(value) -> str:
 def estimate_command(args) -> int:
     from cpbench.harness.project.estimate import EstimateOptions, run_estimate
     from cpbench.harness.run.summary import summary_table
-    from cpbench.report import store
+    from cpbench.report.runs import store
     from cpbench.report.tables import fits
 
     t0 = time.perf_counter()
@@ -267,7 +276,7 @@ def estimate_command(args) -> int:
         opts = EstimateOptions(suite=suite, out=args.out, run=args.run, device_memory=args.device_memory,
                                host_memory=args.host_memory, gpus_per_node=args.gpus_per_node, max_seq=args.max_seq,
                                granularity=args.granularity, jobs=args.jobs, gpu=args.gpu,
-                               sdpa_kernel=args.sdpa_kernel)
+                               sdpa_kernel=args.sdpa_kernel, wait=args.wait)
         run_dir = run_estimate(opts, on_row=lambda row: print(f"  {row['point_id']}: {row['status']}", flush=True))
     except ValueError as e:
         print(f"cpbench estimate: {e}", file=sys.stderr)

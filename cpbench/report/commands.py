@@ -42,6 +42,9 @@ def register(subparsers) -> None:
     gate.add_argument("--allow-schema-mismatch", action="store_true", help="compare runs of different schema versions")
     gate.add_argument("--allow-measurement-mismatch", action="store_true",
                       help="compare a projected run with a measured one (or the other way)")
+    gate.add_argument("--allow-suite-mismatch", action="store_true",
+                      help="gate a run against a baseline of another suite (only the points both hold are compared; "
+                           "the baseline's others are reported missing)")
     gate.add_argument("--update-baseline", action="store_true",
                       help="write RUN as the new baseline (after showing its gate result against the old one)")
     gate.set_defaults(func=run_gate)
@@ -54,13 +57,20 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _say_notes(command: str, *frames) -> None:
+    """What load_run could not read or recovered (a damaged table read from its journal), on stderr."""
+    for frame in frames:
+        for note in frame.attrs.get("notes", []):
+            print(f"cpbench {command}: {note}", file=sys.stderr)
+
+
 def _fail(message: str) -> int:
     print(f"cpbench: {message}", file=sys.stderr)
     return REFUSED
 
 
 def run_report(args: argparse.Namespace) -> int:
-    from .load import load_run, parquet_path
+    from .runs.load import load_run, parquet_path
     from .page import write_report
     from .tables import comparison_markdown
 
@@ -71,22 +81,26 @@ def run_report(args: argparse.Namespace) -> int:
         return _fail(str(e))
     source = Path(args.run)
     out = Path(args.out) if args.out else source if source.is_dir() else source.with_name(f"{source.stem}_report")
+    _say_notes("report", frame)
     files = write_report(frame, out, capacity=args.device_memory, projected=projected)
     print(comparison_markdown(frame))
     print(f"\nreport: {files.html}\n        {files.markdown}\nplots:  {', '.join(str(p) for p in files.plots.values())}")
+    for name, why in files.omitted.items():
+        print(f"        not drawn: {name} ({why})")
     print(f"data:   {parquet_path(args.run)}")
     return 0
 
 
 def run_compare(args: argparse.Namespace) -> int:
     from .compare import compare, render
-    from .load import load_run, run_label
+    from .runs.load import load_run, run_label
 
     try:
         a, b = load_run(args.run_a), load_run(args.run_b)
         text = render(compare(a, b), run_label(a), run_label(b))
     except (FileNotFoundError, ValueError) as e:
         return _fail(str(e))
+    _say_notes("compare", a, b)
     print(text)
     if args.out:
         Path(args.out).write_text(text)
@@ -96,7 +110,7 @@ def run_compare(args: argparse.Namespace) -> int:
 def run_gate(args: argparse.Namespace) -> int:
     from .gate import GateRefusal, check_comparable, gate, render, rules_across_hardware
     from .gate_rules import load_rules, rules_path
-    from .load import load_run, parquet_path, run_label
+    from .runs.load import load_run, parquet_path, run_label
 
     baseline_path = Path(args.baseline)
     allow_schema = args.allow_schema_mismatch
@@ -108,12 +122,14 @@ def run_gate(args: argparse.Namespace) -> int:
             return _fail(f"baseline: no file at '{baseline_path}'; create it from a checked run with "
                          f"`python -m cpbench gate --baseline {baseline_path} RUN --update-baseline`")
         baseline = load_run(baseline_path, allow_schema_mismatch=allow_schema, what="baseline")
+        _say_notes("gate", baseline, run)
         rules_file = rules_path(args.rules, baseline_path)
         rules = load_rules(rules_file)
         print(f"rules: {rules_file}")
         same_hardware = check_comparable(baseline, run, allow_hardware_mismatch=args.allow_hardware_mismatch,
                                          allow_schema_mismatch=allow_schema,
-                                         allow_measurement_mismatch=args.allow_measurement_mismatch)
+                                         allow_measurement_mismatch=args.allow_measurement_mismatch,
+                                         allow_suite_mismatch=args.allow_suite_mismatch)
         if not same_hardware:
             cuda = bool((run["device"] == "cuda").any() or (baseline["device"] == "cuda").any())
             gated, listed = ("status and parity", "time and memory") if cuda else ("status, parity and memory", "time")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pandas as pd
 
 from . import units
-from .match import check_unique, match_points, side
+from .runs.match import check_unique, match_points, side
 
 METRICS = {  # column -> (heading, renderer)
     "peak_bytes": ("peak / rank", units.human_bytes),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from .schema import KEY_COLUMNS
+from .runs.schema import KEY_COLUMNS
 
 # The key columns a comparison column is made of, in label order (cp size first, as users read it).
 CONFIG_ORDER = ("cp_size", "attn_implementation", "cp_style") + tuple(
@@ -40,15 +40,24 @@ def _label(row: pd.Series, dims: list[str]) -> str:
 
 
 def ordered_configs(frame: pd.DataFrame) -> list[str]:
-    """Configuration labels sorted by cp size, then the other varying columns."""
-    dims = varying(frame)
-    labelled = frame.assign(_config=config_labels(frame))
-    firsts = labelled.sort_values(dims, kind="stable").drop_duplicates("_config")
-    return firsts["_config"].tolist()
+    """Configuration labels sorted by cp size, then the other varying columns. A frame `with_config` already
+    labelled (a part of a run: its ok points, say) keeps the run's labels and order, so a figure draws the labels it
+    coloured."""
+    labelled = with_config(frame)
+    return labelled.sort_values("config_order", kind="stable")["config"].drop_duplicates().tolist()
 
 
 def with_config(frame: pd.DataFrame) -> pd.DataFrame:
-    return frame.assign(config=config_labels(frame))
+    """The frame with `config` (its label) and `config_order` (its place among the run's configurations). Label the
+    whole run, then take parts of it: labels made from a part name only what varies within that part."""
+    if "config" in frame and "config_order" in frame:
+        return frame
+    labels = config_labels(frame)
+    if not len(frame):
+        return frame.assign(config=labels, config_order=pd.Series(dtype=int))
+    dims = varying(frame)
+    order = frame.assign(config=labels).sort_values(dims, kind="stable")["config"].drop_duplicates().tolist()
+    return frame.assign(config=labels, config_order=labels.map({c: i for i, c in enumerate(order)}))
 
 
 def with_projected_time(frame: pd.DataFrame) -> pd.DataFrame:

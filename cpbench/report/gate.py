@@ -18,9 +18,9 @@ import pandas as pd
 
 from . import units
 from .gate_rules import Rule
-from .load import schema_versions
-from .match import check_unique, match_points, side
-from .schema import ADDED_SINCE, SCHEMA_VERSION
+from .runs.load import schema_versions
+from .runs.match import check_unique, match_points, side
+from .runs.schema import ADDED_SINCE, SCHEMA_VERSION
 from .stats import judge_samples
 
 CRASHES = ("error", "timeout")
@@ -52,8 +52,14 @@ class GateResult:
 
 
 def check_comparable(baseline: pd.DataFrame, run: pd.DataFrame, *, allow_hardware_mismatch: bool = False,
-                     allow_schema_mismatch: bool = False, allow_measurement_mismatch: bool = False) -> bool:
+                     allow_schema_mismatch: bool = False, allow_measurement_mismatch: bool = False,
+                     allow_suite_mismatch: bool = False) -> bool:
     """Raises GateRefusal unless the runs can be compared; returns whether they ran on the same hardware."""
+    base_s, run_s = _values(baseline, "suite"), _values(run, "suite")
+    if base_s != run_s and not allow_suite_mismatch:
+        raise GateRefusal(f"suite: baseline {base_s}, run {run_s}; a baseline gates the run of its own suite (every "
+                          f"point it lacks would read as a regression) — pass the baseline recorded for {run_s}, or "
+                          f"--allow-suite-mismatch to gate the points the two share")
     base_v, run_v = schema_versions(baseline), schema_versions(run)
     if base_v != run_v and not allow_schema_mismatch and not _only_added(base_v + run_v):
         raise GateRefusal(f"schema_version: baseline {base_v}, run {run_v}; refresh the baseline with "

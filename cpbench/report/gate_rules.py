@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from .schema import COLUMNS
+from .runs.schema import COLUMNS
 
 DIRECTIONS = ("lower", "higher")
 ACTIONS = ("fail", "warn")

@@ -13,8 +13,8 @@ import pandas as pd
 from . import plots, tables, units
 from .compare import beside_projected
 from .derive import measurement_note, ratios_vs_cp1
-from .load import run_label
-from .peers import has_peers, peers_table
+from .runs.load import run_label
+from .peers import has_peers, peers_figure, peers_table
 
 CSS = """body{font-family:system-ui,sans-serif;margin:2em;max-width:1400px}
 table{border-collapse:collapse;margin:1em 0;font-size:90%}th,td{border:1px solid #ccc;padding:4px 8px;text-align:left}
@@ -32,6 +32,28 @@ class ReportFiles:
     markdown: Path
     table: Path
     plots: dict[str, Path]
+    omitted: dict[str, str]  # figure -> why it was not drawn (nothing to show)
+
+
+def save_figures(frame: pd.DataFrame, out_dir: str | Path, capacity: float | None = None
+                 ) -> tuple[dict[str, Path], dict[str, str]]:
+    """Every figure that has something to show as `<out_dir>/<name>.png` (name -> path), and why each other one was
+    not drawn (name -> reason)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths, omitted = {}, {}
+    for name, draw in plots.FIGURES.items():
+        fig = draw(frame, capacity) if name == "memory" else draw(frame)
+        why = plots.nothing_to_show(fig)
+        if why is not None:
+            omitted[name] = why
+            continue
+        paths[name] = out_dir / f"{name}.png"
+        fig.savefig(paths[name], dpi=100)
+    if has_peers(frame):
+        paths["peers"] = out_dir / "peers.png"
+        peers_figure(frame).savefig(paths["peers"], dpi=100)
+    return paths, omitted
 
 
 def environment(frame: pd.DataFrame) -> pd.DataFrame:
@@ -55,65 +77,66 @@ def ratio_table(frame: pd.DataFrame) -> pd.DataFrame:
     })
 
 
-def _sections(frame: pd.DataFrame) -> list[tuple[str, pd.DataFrame, str | None]]:
-    """(title, table, index name) in page order."""
-    fits = tables.fits(frame)
+def _sections(frame: pd.DataFrame, projected: pd.DataFrame | None, omitted: dict[str, str]):
+    """(before the figures, after them): lists of (title, table, index name) in page order."""
     note = measurement_note(frame)
-    peers = []
+    before = [("Comparison (peak memory per rank, max over ranks; median step time; parity)" + note,
+               tables.comparison(frame), "seq len")]
+    if frame.attrs.get("notes"):  # what load_run could not read, or recovered (a damaged table)
+        before.insert(0, ("Read with notes (what could not be read, and what was recovered)",
+                          pd.DataFrame({"note": frame.attrs["notes"]}), None))
+    if projected is not None:
+        before.append(("Projected beside measured (the projection's error per point)",
+                       beside_projected(frame, projected), None))
     if has_peers(frame):
-        peers = [("Peers (step time / unsharded step time, peak memory per rank, parity against the unsharded op)",
-                  peers_table(frame), "seq len")]
-    return [
-        ("Comparison (peak memory per rank, max over ranks; median step time; parity)" + note,
-         tables.comparison(frame), "seq len"),
-        *peers,
-        ("Largest sequence length that fits" + note, fits, None),
-        ("Against cp=1 (ideal activations ratio: 1/cp)", ratio_table(frame), None),
-        ("Points", tables.points(frame), None),
-        ("Environment", environment(frame), "field"),
-    ]
+        before.append(("Peers (step time / unsharded step time, peak memory per rank, parity against the unsharded "
+                       "op)", peers_table(frame), "seq len"))
+    before.append(("Largest sequence length that fits" + note, tables.fits(frame), None))
+    after = [("Against cp=1 (ideal activations ratio: 1/cp)", ratio_table(frame), None),
+             ("Points", tables.points(frame), None), ("Environment", environment(frame), "field")]
+    if omitted:
+        after.insert(0, ("Figures not drawn (nothing to show)", pd.DataFrame(
+            {"figure": [FIGURE_TITLES[n] for n in omitted], "why": list(omitted.values())}), None))
+    return before, after
 
 
 def write_report(frame: pd.DataFrame, out_dir: str | Path, capacity: float | None = None,
                  projected: pd.DataFrame | None = None) -> ReportFiles:
     """The page, its table and plots; with `projected` (a projection of the same points), a section of each
-    point's measured and projected step and peak."""
+    point's measured and projected step and peak. Figures with nothing to show are listed with why."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    images = plots.save_all(frame, out_dir / "plots", capacity)
+    images, omitted = save_figures(frame, out_dir / "plots", capacity)
     title = f"cpbench report: {run_label(frame)}{measurement_note(frame)}"
-    sections = _sections(frame)
-    if projected is not None:
-        sections.insert(1, ("Projected beside measured (the projection's error per point)",
-                            beside_projected(frame, projected), None))
+    before, after = _sections(frame, projected, omitted)
     table = out_dir / "table.md"
-    table.write_text(tables.to_markdown(sections[0][1], "seq len") + "\n")
+    table.write_text(tables.comparison_markdown(frame) + "\n")
     markdown = out_dir / "report.md"
-    markdown.write_text(_markdown(title, sections, images, out_dir))
+    markdown.write_text(_markdown(title, before, after, images, out_dir))
     page = out_dir / "report.html"
-    page.write_text(_html(title, sections, images))
-    return ReportFiles(html=page, markdown=markdown, table=table, plots=images)
+    page.write_text(_html(title, before, after, images))
+    return ReportFiles(html=page, markdown=markdown, table=table, plots=images, omitted=omitted)
 
 
-def _markdown(title: str, sections, images: dict[str, Path], out_dir: Path) -> str:
+def _markdown(title: str, before, after, images: dict[str, Path], out_dir: Path) -> str:
     parts = [f"# {title}", ""]
-    for heading, table, index_name in sections[:3]:
+    for heading, table, index_name in before:
         parts += [f"## {heading}", "", tables.to_markdown(table, index_name), ""]
     for name, path in images.items():
         parts += [f"## {FIGURE_TITLES[name]}", "", f"![{name}]({path.relative_to(out_dir).as_posix()})", ""]
-    for heading, table, index_name in sections[3:]:
+    for heading, table, index_name in after:
         parts += [f"## {heading}", "", tables.to_markdown(table, index_name), ""]
     return "\n".join(parts)
 
 
-def _html(title: str, sections, images: dict[str, Path]) -> str:
+def _html(title: str, before, after, images: dict[str, Path]) -> str:
     body = [f"<h1>{html.escape(title)}</h1>"]
-    for heading, table, index_name in sections[:3]:
+    for heading, table, index_name in before:
         body += [f"<h2>{html.escape(heading)}</h2>", tables.to_html(table, index_name)]
     for name, path in images.items():
         data = base64.b64encode(path.read_bytes()).decode("ascii")
         body += [f"<h2>{html.escape(FIGURE_TITLES[name])}</h2>", f'<img alt="{name}" src="data:image/png;base64,{data}">']
-    for heading, table, index_name in sections[3:]:
+    for heading, table, index_name in after:
         body += [f"<h2>{html.escape(heading)}</h2>", tables.to_html(table, index_name)]
     return (f"<!doctype html>\n<html><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title>"
             f"<style>{CSS}</style></head>\n<body>\n" + "\n".join(body) + "\n</body></html>\n")

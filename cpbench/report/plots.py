@@ -1,7 +1,7 @@
 """The report's figures (matplotlib's object API on the Agg canvas: no pyplot state, no display needed).
 
-Each `*_figure(frame)` returns a Figure (a notebook shows it; `save_all` writes PNGs, and leaves out a figure with
-nothing to show). Axes are in GiB and ms (rendering only); the data stays in bytes and seconds. A configuration has
+Each `*_figure(frame)` returns a Figure (a notebook shows it; `page.save_figures` writes PNGs, and leaves out a figure
+with nothing to show, saying why: the message the figure would have shown, `nothing_to_show`). Axes are in GiB and ms (rendering only); the data stays in bytes and seconds. A configuration has
 one colour in every figure of a run (`config_colors`), sequence lengths read 16k, 32k, 1M, and legends stand outside
 the data.
 """
@@ -44,8 +44,18 @@ def config_colors(frame: pd.DataFrame) -> dict[str, tuple]:
     return {config: palette[i % len(palette)] for i, config in enumerate(configs)}
 
 
-def _seq_axis(ax) -> None:
+def _width(bars: int) -> float:
+    """Inches for a figure of one bar (or column of marks) per point: wider with more points, up to a page."""
+    return min(max(8, 0.5 * bars + 2), 40)
+
+
+def _seq_axis(ax, lengths) -> None:
+    """A log-2 axis of sequence lengths, spanning `lengths` (the points the figure is about, drawn or not: a figure
+    whose values are all NaN still has an axis to stand on)."""
     ax.set_xscale("log", base=2)
+    lengths = [float(v) for v in lengths if pd.notna(v) and v > 0]
+    if lengths:
+        ax.set_xlim(min(lengths) / 1.5, max(lengths) * 1.5)
     ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: seq_label(x)))
     ax.xaxis.set_minor_formatter(NullFormatter())
     ax.set_xlabel("sequence length (tokens)")
@@ -53,9 +63,11 @@ def _seq_axis(ax) -> None:
 
 
 def _legend(ax) -> None:
-    """The legend beside the axes, never over the data."""
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+    """The legend beside the axes, never over the data; in columns when a run has many configurations."""
+    entries = len(ax.get_legend_handles_labels()[0])
+    if entries:
+        ax.legend(fontsize="small" if entries <= 20 else "x-small", ncols=1 + entries // 30, loc="upper left",
+                  bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
 
 
 def _empty(ax, message: str) -> None:
@@ -91,7 +103,7 @@ def memory_figure(frame: pd.DataFrame, capacity: float | None = None) -> Figure:
     line = capacity_bytes(frame, capacity)
     if line:
         ax.axhline(line[0] / GIB, color="red", linestyle="--", label=line[1])
-    _seq_axis(ax)
+    _seq_axis(ax, labelled["seq_len"])
     ax.set_ylabel("peak memory per rank (GiB)")
     ax.set_title("Peak memory per rank (line: max over ranks, dots: each rank)" + measurement_note(frame))
     _legend(ax)
@@ -110,8 +122,6 @@ def _mark_failures(ax, frame: pd.DataFrame, colors: dict) -> None:
     if len(edge):
         ax.scatter(edge["seq_len"], [0.97] * len(edge), marker="x", color="red", s=60,
                    transform=ax.get_xaxis_transform(), label="out of memory / error / timeout")
-        if not ax.get_lines() and at_peak.empty:  # nothing in data coordinates: the lengths still set the axis
-            ax.set_xlim(edge["seq_len"].min() / 1.5, edge["seq_len"].max() * 1.5)
 
 
 def time_figure(frame: pd.DataFrame) -> Figure:
@@ -134,7 +144,7 @@ def time_figure(frame: pd.DataFrame) -> Figure:
         tps_ax.plot(p["seq_len"], p["tokens_per_s"], marker="o", label=config, color=colors[config])
     gpus = ", ".join(sorted(ok["gpu_profile"].dropna().unique())) if "gpu_profile" in ok else ""
     for ax, label in ((step_ax, "step time, median (ms; bars p10–p90)"), (tps_ax, "tokens / s")):
-        _seq_axis(ax)
+        _seq_axis(ax, ok["seq_len"])
         ax.set_ylabel(label)
         ax.set_title(label.split(",")[0].capitalize() + measurement_note(frame) + (f" on {gpus}" if gpus else ""))
     _legend(tps_ax)
@@ -170,7 +180,7 @@ def scaling_figure(frame: pd.DataFrame) -> Figure:
     else:
         _empty(speed_ax, "no speed-up: no point was timed (a projection has no time)")
     for ax in axes:
-        _seq_axis(ax)
+        _seq_axis(ax, ratios["seq_len"])
     _legend(mem_ax)
     return fig
 
@@ -179,12 +189,12 @@ def breakdown_figure(frame: pd.DataFrame) -> Figure:
     """The peak of the highest rank split into parameters, gradients, optimizer state and activations; where an
     offload lever put anything on the host, a second (hatched) bar beside it: that rank's host peak, split alike."""
     ok = _ok(frame)
-    fig = Figure(figsize=(max(8, 0.5 * len(ok) + 2), 5), layout="constrained")
+    fig = Figure(figsize=(_width(len(ok)), 5), layout="constrained")
     ax = fig.add_subplot()
     if ok.empty:
         _empty(ax, "no point finished ok")
         return fig
-    ok = ok.sort_values(["config", "seq_len"])
+    ok = ok.sort_values(["config_order", "seq_len"])
     x = np.arange(len(ok))
     host = "host_peak_bytes" in ok and (ok["host_peak_bytes"].fillna(0) > 0).any()
     width = 0.4 if host else 0.8
@@ -214,16 +224,24 @@ def breakdown_figure(frame: pd.DataFrame) -> Figure:
 
 def parity_figure(frame: pd.DataFrame) -> Figure:
     """Each point's loss, logits and gradient error as a fraction of its tolerance (log; 1 = the tolerance)."""
-    judged = with_config(frame[frame["parity_status"].isin(["pass", "fail"])]).sort_values(["config", "seq_len"])
-    fig = Figure(figsize=(max(8, 0.5 * len(judged) + 2), 5), layout="constrained")
+    labelled = with_config(frame)  # labels from the whole run, as every other figure has them
+    judged = labelled[labelled["parity_status"].isin(["pass", "fail"])].sort_values(["config_order", "seq_len"])
+    fig = Figure(figsize=(_width(len(judged)), 5), layout="constrained")
     ax = fig.add_subplot()
     if judged.empty:
         _empty(ax, "no point has a parity verdict")
         return fig
     x = np.arange(len(judged))
-    for offset, (error, tolerance, label) in zip((-0.2, 0.0, 0.2), PARITY):
-        fraction = (judged[error] / judged[tolerance]).to_numpy(dtype=float)
-        ax.scatter(x + offset, np.clip(np.nan_to_num(fraction, nan=FLOOR), FLOOR, None), label=label)
+    fractions = [(judged[error] / judged[tolerance]).to_numpy(dtype=float) for error, tolerance, _ in PARITY]
+    finite = np.concatenate([f[np.isfinite(f)] for f in fractions])
+    top = max(10.0, 2 * finite.max()) if finite.size else 10.0  # where an infinite error is drawn
+    for offset, fraction, (_, _, label) in zip((-0.2, 0.0, 0.2), fractions, PARITY):
+        shown = np.isfinite(fraction)  # a NaN (not measured, e.g. the logits of a chunked loss) is not drawn
+        ax.scatter(x[shown] + offset, np.clip(fraction[shown], FLOOR, None), label=label)
+        infinite = np.isinf(fraction)
+        if infinite.any():
+            ax.scatter(x[infinite] + offset, [top] * int(infinite.sum()), marker="^", color="red",
+                       label=f"{label}: infinite error")
     failed = np.flatnonzero(judged["parity_status"].to_numpy() == "fail")
     if len(failed):
         ax.scatter(failed, [1.5] * len(failed), marker="x", color="red", s=80, label="parity failed")
@@ -240,7 +258,7 @@ def parity_figure(frame: pd.DataFrame) -> Figure:
 def fit_figure(frame: pd.DataFrame) -> Figure:
     """The largest sequence length that finished ok, per configuration."""
     fits = largest_fit(frame)
-    fig = Figure(figsize=(8, 0.5 * len(fits) + 2), layout="constrained")
+    fig = Figure(figsize=(8, min(0.5 * len(fits) + 2, 40)), layout="constrained")
     ax = fig.add_subplot()
     if fits.empty or fits["largest_ok_seq_len"].isna().all():
         _empty(ax, "no point finished ok")
@@ -263,27 +281,15 @@ FIGURES = {"memory": memory_figure, "time": time_figure, "scaling": scaling_figu
            "memory_breakdown": breakdown_figure, "parity": parity_figure, "largest_fit": fit_figure}
 
 
+def nothing_to_show(fig: Figure) -> str | None:
+    """Why a figure shows nothing (the message it carries in place of its axes), or None when it shows data."""
+    if any(ax.axison for ax in fig.axes):
+        return None
+    return "; ".join(t.get_text() for ax in fig.axes for t in ax.texts if t.get_text()) or "nothing to show"
+
+
 def png_bytes(fig: Figure, dpi: int = 100) -> bytes:
     """The figure as PNG bytes (a notebook shows them with IPython.display.Image, whatever its backend)."""
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=dpi)
     return buffer.getvalue()
-
-
-def save_all(frame: pd.DataFrame, out_dir: str | Path, capacity: float | None = None) -> dict[str, Path]:
-    """Every figure that has something to show as `<out_dir>/<name>.png`; returns name -> path."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = {}
-    for name, draw in FIGURES.items():
-        fig = draw(frame, capacity) if name == "memory" else draw(frame)
-        if not any(ax.axison for ax in fig.axes):  # nothing to show (e.g. the time of a projection): not written
-            continue
-        paths[name] = out_dir / f"{name}.png"
-        fig.savefig(paths[name], dpi=100)
-    from .peers import has_peers, peers_figure
-
-    if has_peers(frame):
-        paths["peers"] = out_dir / "peers.png"
-        peers_figure(frame).savefig(paths["peers"], dpi=100)
-    return paths

@@ -13,7 +13,7 @@ import pandas as pd
 
 from . import units
 from .derive import ordered_configs, with_config
-from .match import check_unique
+from .runs.match import check_unique
 
 NOT_RUN = "—"  # the sweep has no such point
 STATUS_TEXT = {"oom": "out of memory", "timeout": "timeout", "error": "error", "skipped": "skipped"}

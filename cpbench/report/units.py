@@ -5,13 +5,19 @@ from __future__ import annotations
 import math
 import re
 
+try:  # pandas' missing-value singleton, without making units need pandas
+    from pandas import NA as _NA
+except ImportError:  # pragma: no cover - pandas is a dependency
+    _NA = object()
+
 GIB = 1024**3
 MIB = 1024**2
 KIB = 1024
 
 
 def _missing(value) -> bool:
-    return value is None or (isinstance(value, float) and math.isnan(value))
+    """None, NaN, or pandas' NA (a nullable integer column's empty cell)."""
+    return value is None or value is _NA or (isinstance(value, float) and math.isnan(value))
 
 
 def sig(value: float, digits: int = 3) -> str:
@@ -20,6 +26,8 @@ def sig(value: float, digits: int = 3) -> str:
         return "–"
     if value == 0:
         return "0"
+    if math.isinf(value):
+        return "∞" if value > 0 else "-∞"
     magnitude = math.floor(math.log10(abs(value)))
     if magnitude >= digits - 1:
         return f"{value:.0f}"
@@ -53,6 +61,8 @@ def human_bytes(num_bytes) -> str:
     """The largest of GiB, MiB, KiB, B that keeps the number >= 1: for messages about small CPU models."""
     if _missing(num_bytes):
         return "–"
+    if math.isinf(num_bytes):
+        return sig(num_bytes)
     for unit, name in ((GIB, "GiB"), (MIB, "MiB"), (KIB, "KiB")):
         if abs(num_bytes) >= unit:
             return f"{sig(num_bytes / unit)} {name}"
@@ -91,6 +101,8 @@ def change(old, new) -> str:
         return "–"
     if old == 0:
         return "±0%" if new == 0 else "new"
+    if math.isinf(old) or math.isinf(new):
+        return "new" if math.isinf(old) else sig(new - old)
     percent = (new - old) / abs(old) * 100
     return ("+" if percent > 0 else "") + f"{sig(percent)}%"
 

@@ -3,7 +3,7 @@
 import tomllib
 from pathlib import Path
 
-from cpbench.report import store
+from cpbench.report.runs import store
 
 HERE = Path(__file__).parent
 

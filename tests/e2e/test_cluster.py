@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from cpbench.cli import main
-from cpbench.report import store
+from cpbench.report.runs import store
 
 pytest.importorskip("submitit")
 

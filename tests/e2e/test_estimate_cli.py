@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from cpbench.cli import main
-from cpbench.report import store
+from cpbench.report.runs import store
 
 SUITE = """name = "est"
 model = "tiny-qwen3"

@@ -9,7 +9,7 @@ import importlib.util
 import pytest
 
 from cpbench.cli import main
-from cpbench.report import store
+from cpbench.report.runs import store
 from cpbench.report.peers import peers_table
 
 SUITE = """

@@ -12,7 +12,7 @@ from cpbench.cli import main
 from cpbench.harness.project.plan import RUNGS, PlanOptions, Search, floor_bytes
 from cpbench.harness.suite.presets import get_preset
 from cpbench.harness.suite.spec import load_suite
-from cpbench.report import store
+from cpbench.report.runs import store
 
 # Between the projected peak of tiny-llama at 8192 tokens on cp 2 (~37 MB) and on cp 1 (~71 MB): cp 1 needs a lever.
 # Two GPUs: cp 2 (Ulysses, the zigzag ring) and cp 1; USP needs more ranks than its Ulysses degree.

@@ -7,7 +7,7 @@ import pytest
 
 from cpbench.report.gate import GateRefusal, check_comparable, gate, render, rules_across_hardware
 from cpbench.report.gate_rules import Rule, load_rules
-from cpbench.report.schema import SCHEMA_VERSION
+from cpbench.report.runs.schema import SCHEMA_VERSION
 from tests.report_fixtures import make_run, row_of, slowed
 
 RULES = load_rules(Path(__file__).parents[2] / "results" / "baselines" / "gate-rules.toml")

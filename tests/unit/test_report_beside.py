@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from cpbench.cli import main
-from cpbench.report import store
+from cpbench.report.runs import store
 from cpbench.report.compare import beside_projected
-from cpbench.report.load import load_run
+from cpbench.report.runs.load import load_run
 
 BASELINE = Path(__file__).parents[2] / "results" / "baselines" / "smoke.parquet"
 

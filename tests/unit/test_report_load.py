@@ -5,9 +5,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from cpbench.report import derive, store
-from cpbench.report.load import latest_run, load_run, parquet_path
-from cpbench.report.schema import ARROW_SCHEMA, SCHEMA_VERSION
+from cpbench.report import derive
+from cpbench.report.runs import store
+from cpbench.report.runs.load import latest_run, load_run, parquet_path
+from cpbench.report.runs.schema import ARROW_SCHEMA, SCHEMA_VERSION
 from tests.report_fixtures import make_run, write_run
 
 

@@ -4,7 +4,7 @@ import pandas as pd
 import pytest
 
 from cpbench.report.gate import GateRefusal, gate
-from cpbench.report.match import check_unique, match_points
+from cpbench.report.runs.match import check_unique, match_points
 from tests.report_fixtures import make_run
 
 RING_512 = "llama-tiny/s512/cp2/sdpa/cp_ring"

@@ -37,8 +37,9 @@ def test_markdown_page_links_the_images_beside_it(report):
 
 def test_a_run_where_nothing_finished_still_draws_its_failures_and_writes_no_empty_figure(tmp_path):
     frame = make_run(seq_lens=(256,), cp_sizes=(1,), oom_cp1_at=256)
-    paths = plots.save_all(frame, tmp_path)
+    paths, omitted = page.save_figures(frame, tmp_path)
     assert "memory" in paths and "time" not in paths and "parity" not in paths  # the oom point, at its peak
+    assert set(omitted) == set(plots.FIGURES) - set(paths) and "no point finished ok" in omitted["time"]
     assert all(p.read_bytes().startswith(PNG) for p in paths.values())
 
 
@@ -112,5 +113,6 @@ def test_an_out_of_memory_point_is_drawn_at_its_projected_peak():
 def test_a_projected_report_writes_no_empty_time_or_parity_figure(tmp_path):
     from tests.report_fixtures import projected
 
-    paths = plots.save_all(projected(make_run()), tmp_path)
+    paths, omitted = page.save_figures(projected(make_run()), tmp_path)
     assert "memory" in paths and "time" not in paths and "parity" not in paths
+    assert "estimate --gpu" in omitted["time"] and "parity verdict" in omitted["parity"]  # each says why

@@ -4,7 +4,7 @@ import pandas as pd
 import pytest
 
 from cpbench.report import tables, units
-from cpbench.report.load import load_run
+from cpbench.report.runs.load import load_run
 from tests.report_fixtures import make_run, write_run
 
 

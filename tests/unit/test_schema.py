@@ -9,7 +9,7 @@ import pyarrow as pa
 
 from cpbench.harness.run import rows
 from cpbench.harness.suite.spec import Point, load_suite
-from cpbench.report import schema, store
+from cpbench.report.runs import schema, store
 
 SUITE = 'name = "t"\nmodel = "tiny-qwen3"\nseq_lens = [64]\ncp_sizes = [2]\n'
 ENV = {"torch_version": "2", "transformers_version": "5", "cpbench_version": "0", "cuda_version": None,

@@ -282,7 +282,7 @@ def test_projected_times_rank_measured_cpu_points_as_their_measurements_do(tmp_p
 
     from cpbench.harness.project.projection import project_rank, projected_ranks
     from cpbench.harness.suite.spec import Point
-    from cpbench.report.load import load_run
+    from cpbench.report.runs.load import load_run
 
     (tmp_path / "cpu.toml").write_text(CPU_CORE)
     cpu = hardware.load(str(tmp_path / "cpu.toml"))

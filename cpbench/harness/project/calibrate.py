@@ -95,7 +95,7 @@ def samples_of_run(run_dir: Path, gpus_per_node: int = 8, progress=None) -> list
     """The run's measured ok points with their projected traces."""
     from cpbench.harness.project.projection import project_rank, projected_ranks
     from cpbench.harness.suite.spec import Point
-    from cpbench.report import store
+    from cpbench.report.runs import store
 
     df = store.read_run(run_dir)
     rows = df[(df["measurement"] == "measured") & (df["status"] == "ok") & df["step_time_median_s"].notna()]

@@ -64,7 +64,7 @@ def _overrides(items: list[str]) -> dict:
 
 def plan_command(args) -> int:
     from cpbench.harness.project.plan import PlanOptions, ranked, run_plan
-    from cpbench.report import store
+    from cpbench.report.runs import store
 
     t0 = time.perf_counter()
     try:

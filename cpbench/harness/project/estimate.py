@@ -27,10 +27,10 @@ from cpbench.harness.project.hardware import load as load_hardware
 from cpbench.harness.project.projection import project_rank, projected_ranks, stand_in
 from cpbench.harness.run import rows
 from cpbench.harness.run.skips import SkipRules
-from cpbench.harness.run.sweep import pick_run_dir
+from cpbench.harness.run.sweep import pick_run_dir, writing
 from cpbench.harness.suite.spec import Point, Suite
 from cpbench.harness.suite.suites import resolve_suite
-from cpbench.report import store
+from cpbench.report.runs import store
 from cpbench.report.units import parse_bytes
 
 
@@ -47,6 +47,7 @@ class EstimateOptions:
     jobs: int | None = None  # worker processes (default: the CPUs, at most 8); 1: in this process
     gpu: str | None = None  # a GPU profile (hardware.py): projected time, and the capacity when none is given
     sdpa_kernel: str | None = None  # the kernel a model's own SDPA call is priced as (default: the profile's)
+    wait: bool = False  # another process writes the run: wait for it (else refuse, naming it)
 
 
 class Estimator:
@@ -120,16 +121,17 @@ def run_estimate(opts: EstimateOptions, on_row=None) -> Path:
     if jobs < 1:
         raise ValueError(f"--jobs {jobs}: give at least 1 (worker processes; 1 projects in this process).")
     run_dir = pick_run_dir(Path(opts.out) / suite.name, opts.run, resume=False)
-    estimator = Estimator(run_dir, suite, capacity, on_row, host_capacity, opts.gpus_per_node, hardware)
-    if opts.max_seq:
-        from cpbench.harness.project.max_seq import chains
+    with writing(run_dir, opts.run, False, opts.wait, "estimate"):
+        estimator = Estimator(run_dir, suite, capacity, on_row, host_capacity, opts.gpus_per_node, hardware)
+        if opts.max_seq:
+            from cpbench.harness.project.max_seq import chains
 
-        run_chains(estimator, chains(suite, opts.granularity), jobs)
-    else:
-        families: dict[str, list[Point]] = {}
-        for p in suite.points():
-            families.setdefault(p.family_key, []).append(p)
-        run_chains(estimator, [in_order(points) for points in families.values()], jobs)
+            run_chains(estimator, chains(suite, opts.granularity), jobs)
+        else:
+            families: dict[str, list[Point]] = {}
+            for p in suite.points():
+                families.setdefault(p.family_key, []).append(p)
+            run_chains(estimator, [in_order(points) for points in families.values()], jobs)
     return run_dir
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from cpbench.harness.project.estimate import Estimator, run_chains
 from cpbench.harness.project.hardware import load as load_hardware
-from cpbench.harness.run.sweep import pick_run_dir
+from cpbench.harness.run.sweep import pick_run_dir, writing
 from cpbench.harness.suite.presets import get_preset
 from cpbench.harness.suite.spec import load_suite
 from cpbench.report.units import parse_bytes
@@ -189,11 +189,12 @@ def run_plan(opts: PlanOptions, on_row=None) -> tuple[Path, Search]:
     host = parse_bytes(opts.host_memory, field_name="--host-memory") if opts.host_memory else None
     base = load_suite("plan", text=suite_text(opts, opts.attn[0], "cp_ulysses", 1, 1, {}))
     run_dir = pick_run_dir(Path(opts.out) / base.name, opts.run, resume=False)
-    estimator = Estimator(run_dir, base, capacity, on_row, host, opts.gpus // opts.nodes, hardware)
     search = Search(opts, capacity, config)
-    axes = candidates_for(opts, config)
-    for phase in ([a for a in axes if a[1] != "cp_usp"], [a for a in axes if a[1] == "cp_usp"]):  # USP after the ring
-        run_chains(estimator, [search.chain(attn, style, degree) for attn, style, degree in phase], opts.jobs)
+    with writing(run_dir, opts.run, False, False, "plan"):
+        estimator = Estimator(run_dir, base, capacity, on_row, host, opts.gpus // opts.nodes, hardware)
+        axes = candidates_for(opts, config)
+        for phase in ([a for a in axes if a[1] != "cp_usp"], [a for a in axes if a[1] == "cp_usp"]):  # USP last
+            run_chains(estimator, [search.chain(attn, style, degree) for attn, style, degree in phase], opts.jobs)
     return run_dir, search
 
 

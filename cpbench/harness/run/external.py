@@ -19,7 +19,7 @@ from cpbench.harness.run import rows, worker
 from cpbench.harness.run.records import LaunchRecords
 from cpbench.harness.run.sweep import failures
 from cpbench.harness.suite.suites import resolve_suite
-from cpbench.report import store
+from cpbench.report.runs import lock, store
 from cpbench.report.units import parse_bytes
 
 
@@ -39,13 +39,14 @@ def run_external(args) -> int:
         return 0
     ctx = {"run_id": run_dir.name, "env": fingerprint(suite.device), "budget": budget}
     written = []
-    for point, result in LaunchRecords(records_dir, points).harvest():
-        if result["kind"] == "records":
-            row = rows.measured_row(point, result["records"], result["wall_s"], **ctx)
-        else:
-            row = rows.outcome_row(point, result["status"], result["message"], result["wall_s"], **ctx)
-        store.append_rows(run_dir, [row])
-        written.append(row)
+    with lock.writer(run_dir, wait=args.wait):  # refused while a sweep writes the same run (RunLocked: exit 2)
+        for point, result in LaunchRecords(records_dir, points).harvest(exited=True):
+            if result["kind"] == "records":
+                row = rows.measured_row(point, result["records"], result["wall_s"], **ctx)
+            else:
+                row = rows.outcome_row(point, result["status"], result["message"], result["wall_s"], **ctx)
+            store.append_rows(run_dir, [row])
+            written.append(row)
     print(f"{len(points)} point(s) -> {store.runs_path(run_dir)}")
     failed = failures(pd.DataFrame(written, columns=["point_id", "status", "parity_status"]))
     if failed:

@@ -22,8 +22,8 @@ def worker_command(
 ) -> list[str]:
     """torch's launcher running the worker; `rendezvous`: its multi-node arguments (cluster.py), else one node."""
     nodes = rendezvous or ["--standalone", "--nnodes", "1", "--nproc-per-node", str(world_size)]
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", *nodes, "--max-restarts", "0", "--monitor-interval", "0.5",
+    cmd = [  # through guard.py: the launcher dies with the sweep, whatever kills it
+        sys.executable, "-m", "cpbench.harness.run.guard", "torch.distributed.run", *nodes, "--max-restarts", "0", "--monitor-interval", "0.5",
         "-m", "cpbench.harness.run.worker", "--suite", suite_ref, "--records", str(records), "--cache", str(cache),
     ]
     for pid in point_ids:

@@ -37,27 +37,29 @@ class LaunchRecords:
                 return p, t
         return None
 
-    def harvest(self) -> list[tuple[Point, dict]]:
-        """Points that finished since the last call: ("records", every rank's record) or ("outcome", status)."""
+    def harvest(self, exited: bool = False) -> list[tuple[Point, dict]]:
+        """Points that finished since the last call: ("records", every rank's record) or ("outcome", status). A
+        point some ranks failed is final once every rank wrote its error or the launch `exited`: a rank killed by a
+        signal writes nothing, and its peers' errors (a connection reset) are only what followed."""
         out = []
         for p in self.pending():
             started = self._started(p)
             if started is None:
                 continue
-            result = self._result(p, time.time() - started)
+            result = self._result(p, time.time() - started, exited)
             if result is not None:
                 self.mark_done(p)
                 out.append((p, result))
         return out
 
-    def _result(self, point: Point, wall_s: float) -> dict | None:
+    def _result(self, point: Point, wall_s: float, exited: bool) -> dict | None:
         path = self.folder / f"{point.point_key}.json"
         if path.exists():
             return {"kind": "records", "records": json.loads(path.read_text()), "wall_s": wall_s}
         errors = sorted(self.folder.glob(f"{point.point_key}.rank*.error.json"))
-        if not errors:
+        if not errors or (len(errors) < point.world_size and not exited):
             return None
-        failed = failure([json.loads(e.read_text()) for e in errors])
+        failed = failure([json.loads(e.read_text()) for e in errors], point.world_size)
         measured = self.folder / f"{point.point_key}.measured.json"
         if measured.exists():  # the step was measured; its parity reference failed: keep the measurements
             records = json.loads(measured.read_text())
@@ -67,13 +69,16 @@ class LaunchRecords:
         return {"kind": "outcome", "wall_s": wall_s, **failed}
 
 
-def failure(records: list[dict]) -> dict:
+def failure(records: list[dict], world_size: int | None = None) -> dict:
     """Status and detail of a point some ranks failed: the first rank to fail leads (its peers' errors, a closed
-    connection in the collective they were waiting in, follow it); `oom` when any rank ran out of memory."""
+    connection in the collective they were waiting in, follow it); `oom` when any rank ran out of memory. Ranks that
+    left no record (of `world_size`) died without raising, which leads: a signal or the OS killed them."""
     records = sorted(records, key=lambda r: (r.get("t", 0.0), r["rank"]))
     status = "oom" if any(r["status"] == "oom" for r in records) else "error"
-    first, *rest = records
-    message = f"rank {first['rank']}: {first['message']}"
-    if rest:
-        message += " (failed first); then " + "; ".join(f"rank {r['rank']}: {r['message']}" for r in rest)
+    silent = sorted(set(range(world_size or 0)) - {r["rank"] for r in records})
+    parts = [f"rank {r['rank']}: {r['message']}" for r in records]
+    if silent:
+        parts.insert(0, f"rank {', '.join(map(str, silent))} died without a record (killed by a signal or by the OS, "
+                        "e.g. its out-of-memory killer; the launch log says which)")
+    message = parts[0] + (" (failed first); then " + "; ".join(parts[1:]) if len(parts) > 1 else "")
     return {"status": status, "message": message}

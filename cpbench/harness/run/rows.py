@@ -18,7 +18,7 @@ from cpbench.harness.measure.env import now_iso
 from cpbench.harness.measure.flops import no_peak_reason, peak_flops, train_step_flops
 from cpbench.harness.suite.presets import get_preset
 from cpbench.harness.suite.spec import Point
-from cpbench.report.schema import SCHEMA_VERSION
+from cpbench.report.runs.schema import SCHEMA_VERSION
 
 
 def base_row(point: Point, *, run_id: str, env: dict, budget: int | None, measurement: str = "measured",

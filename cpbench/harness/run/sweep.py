@@ -12,6 +12,7 @@ import contextlib
 import datetime
 import itertools
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ from cpbench.harness.run.records import LaunchRecords
 from cpbench.harness.run.skips import SkipRules
 from cpbench.harness.suite.spec import Point
 from cpbench.harness.suite.suites import resolve_suite, suite_ref
-from cpbench.report import store
+from cpbench.report.runs import lock, store
 from cpbench.report.units import parse_bytes
 
 STARTUP_GRACE_S = 300.0  # imports and process-group setup before a launch's first point starts
@@ -45,6 +46,7 @@ class SweepOptions:
     only: tuple[str, ...] = ()  # point ids; empty: all
     progress: bool = True
     cluster: ClusterOptions | None = None  # None: torch's launcher here; else one cluster job per launch
+    wait: bool = False  # another process writes the run: wait for it (else refuse, naming it)
 
 
 def pick_run_dir(suite_dir: Path, run: str | None, resume: bool) -> Path:
@@ -53,18 +55,38 @@ def pick_run_dir(suite_dir: Path, run: str | None, resume: bool) -> Path:
     continued with `--resume`, never silently."""
     if run:
         run_dir = suite_dir / run
-        if not resume and (run_dir / store.RUNS_FILE).exists():
-            raise ValueError(
-                f"--run-name {run!r}: {run_dir} already has results. Pass --resume to finish that run, or choose "
-                "another --run-name (or none, for a timestamped one)."
-            )
+        check_new(run_dir, run, resume)
         return run_dir
     if resume:
         existing = [p for p in suite_dir.glob("*") if (p / store.RUNS_FILE).exists()]
         if existing:
             return max(existing, key=lambda p: (p / store.RUNS_FILE).stat().st_mtime)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    return suite_dir / stamp
+    # two runs started in the same second: the later one takes the next free name (a writer creates its folder
+    # at once, under its lock)
+    names = itertools.chain([stamp], (f"{stamp}-{i}" for i in itertools.count(2)))
+    return next(suite_dir / name for name in names if not (suite_dir / name).exists())
+
+
+def check_new(run_dir: Path, run: str | None, resume: bool) -> None:
+    """A named run that already has results is only continued with `--resume`, never silently (checked again under
+    the run's lock: a writer that finished meanwhile)."""
+    if run and not resume and store.has_results(run_dir):
+        raise ValueError(
+            f"--run-name {run!r}: {run_dir} already has results. Pass --resume to finish that run, or choose "
+            "another --run-name (or none, for a timestamped one)."
+        )
+
+
+@contextlib.contextmanager
+def writing(run_dir: Path, run: str | None, resume: bool, wait: bool, what: str):
+    """The run's writer lock (lock.py) for the block; inside it, a damaged table or points only in the journal are
+    repaired first (store.repair), and what was found is said on stderr."""
+    with lock.writer(run_dir, wait=wait, on_wait=lambda m: print(f"cpbench {what}: {m}", file=sys.stderr, flush=True)):
+        check_new(run_dir, run, resume)
+        for note in store.repair(run_dir):
+            print(f"cpbench {what}: {note}", file=sys.stderr, flush=True)
+        yield
 
 
 def failures(df) -> list[str]:
@@ -92,17 +114,18 @@ def run_sweep(opts: SweepOptions) -> Path:
     if opts.cluster is not None:  # refused before anything is submitted
         for world in sorted({p.world_size for p in points}):
             opts.cluster.shape(world)
-    sweep = _Sweep(run_dir, ctx, budget_text, suite_ref(opts.suite), opts.allow_faults, opts.cluster)
-    done = store.finished_point_ids(run_dir)
-    sweep.rules.learn(store.read_run(run_dir), points)
-    pending = [p for p in points if p.point_id not in done]
-    with _sigterm_as_interrupt(), SweepProgress(len(points), len(points) - len(pending), suite.name,
-                                                enabled=opts.progress) as bar:
-        sweep.bar = bar
-        for _, group in itertools.groupby(pending, key=lambda p: p.world_size):
-            remaining = list(group)
-            while remaining:
-                remaining = sweep.launch(sweep.skip(remaining))
+    with writing(run_dir, opts.run, opts.resume, opts.wait, "sweep"):
+        sweep = _Sweep(run_dir, ctx, budget_text, suite_ref(opts.suite), opts.allow_faults, opts.cluster)
+        done = store.finished_point_ids(run_dir)
+        sweep.rules.learn(store.read_run(run_dir), points)
+        pending = [p for p in points if p.point_id not in done]
+        with _sigterm_as_interrupt(), SweepProgress(len(points), len(points) - len(pending), suite.name,
+                                                    enabled=opts.progress) as bar:
+            sweep.bar = bar
+            for _, group in itertools.groupby(pending, key=lambda p: p.world_size):
+                remaining = list(group)
+                while remaining:
+                    remaining = sweep.launch(sweep.skip(remaining))
     return run_dir
 
 
@@ -123,6 +146,17 @@ def _sigterm_as_interrupt():
         signal.signal(signal.SIGTERM, previous)
 
 
+class ResultsNotWritten(ValueError):
+    """A row could not be written (the sweep stops: every later point would be lost too)."""
+
+    def __init__(self, run_dir: Path, point_id: str, error: OSError):
+        done = len(store.finished_point_ids(run_dir)) if store.has_results(run_dir) else 0
+        super().__init__(
+            f"could not write the row of {point_id} to {run_dir} ({error}); stopped. The {done} point(s) written "
+            f"before are intact; free the space (or fix the folder), then run again with --resume to finish the "
+            f"others.")
+
+
 class _Sweep:
     def __init__(self, run_dir: Path, ctx: dict, budget_text: str | None, ref: str, allow_faults: bool,
                  cluster: ClusterOptions | None = None):
@@ -134,7 +168,10 @@ class _Sweep:
         self.launches = len(list((run_dir / "records").glob("launch-*"))) if run_dir.exists() else 0
 
     def write(self, point: Point, row: dict) -> None:
-        store.append_rows(self.run_dir, [row])
+        try:
+            store.append_rows(self.run_dir, [row])
+        except OSError as e:  # a full disk, a lost mount: stop, with every row written before intact
+            raise ResultsNotWritten(self.run_dir, point.point_id, e) from e
         self.rules.observe(point, row["status"])
         self.bar.finished(point, row["status"])
 
@@ -215,7 +252,10 @@ class _Sweep:
         self.write(point, row)
 
     def _after_exit(self, proc: Launch, records: LaunchRecords, rc: int, flight) -> list[Point]:
-        for point, result in records.harvest():  # records written just before the exit
+        for point, result in records.harvest(exited=True):  # records written just before the exit
+            if result["kind"] == "outcome" and "died without a record" in result["message"]:
+                result = {**result, "message": f"{result['message']}; the launch exited with code {rc}; log tail:\n"
+                                               f"{proc.log_tail()}"}
             self._finish(point, result)
         flight = records.in_flight()
         if flight is not None:

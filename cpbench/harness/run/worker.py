@@ -18,6 +18,7 @@ import datetime
 import gc
 import json
 import os
+import signal
 import sys
 import time
 import traceback
@@ -31,6 +32,7 @@ from cpbench.harness.measure.capture import capture
 from cpbench.harness.measure.probes import StepTimer, memory_probe, reset_rss_peak, rss_peak_bytes
 from cpbench.harness.measure.reference import reference_phase
 from cpbench.harness.peers.attention_level import run_attention_point
+from cpbench.harness.run.guard import die_with_parent
 from cpbench.harness.suite.spec import Point
 from cpbench.report.units import parse_bytes
 
@@ -53,8 +55,9 @@ def write_json(path: Path, data) -> None:
 
 def _inject(point: Point, model, rank: int) -> None:
     """Test-only faults (see `Suite.faults`) on the last rank. "crash" and "oom" raise inside the first forward, at
-    the second decoder layer, after its peers have entered the step's collectives; "hang" blocks before it."""
-    if point.fault not in ("crash", "oom", "hang") or rank != point.world_size - 1:
+    the second decoder layer, after its peers have entered the step's collectives, and "kill" ends the rank there
+    with SIGKILL (as the kernel's OOM killer would); "hang" blocks before it."""
+    if point.fault not in ("crash", "oom", "hang", "kill") or rank != point.world_size - 1:
         return  # "reference_crash" fires in the sharded reference (`_sharded_reference`)
     while point.fault == "hang":
         time.sleep(3600)
@@ -62,6 +65,8 @@ def _inject(point: Point, model, rank: int) -> None:
     layers = [m for name, m in model.named_modules() if name.endswith("layers.1")]
 
     def fail(*_):
+        if point.fault == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
         raise kind(f"injected {point.fault} in {point.point_id} (suite [faults] table)")
 
     if not layers:
@@ -189,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--memory-budget", default=None)
     p.add_argument("--allow-faults", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    die_with_parent()  # a rank whose launcher died (its sweep killed with -9) stops too
     from cpbench.harness.suite.suites import resolve_suite
 
     suite = resolve_suite(args.suite, allow_faults=args.allow_faults)

@@ -24,7 +24,7 @@ REFERENCES = ("auto", "unsharded", "sharded")  # where the parity reference runs
 # What a point runs: the model's training step, or one attention op (peers/attention_level.py).
 LEVELS = ("model", "attention")
 LOSSES = ("full", "chunked", "liger")  # cpbench.cp.loss.chunked.LOSSES
-FAULTS = ("crash", "oom", "hang", "reference_crash")  # injected by cpbench's own tests only (see `Suite.faults`)
+FAULTS = ("crash", "oom", "hang", "kill", "reference_crash")  # injected by cpbench's own tests only (see `Suite.faults`)
 NO_STYLE = "none"
 
 

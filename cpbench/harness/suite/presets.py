@@ -127,7 +127,15 @@ def _own_model(name: str) -> Preset:
     if not path.is_file() and (name.endswith(".json") or name.startswith(("/", ".", "~"))):
         raise ValueError(f"`model = {name!r}`: no config.json there. Give a preset ({sorted(PRESETS)}), a path to a "
                          "config.json, a directory holding one, or a hub id whose config is in the local HF cache.")
-    raw = json.loads(path.read_text()) if path.is_file() else _cached_hub_config(name)
+    try:
+        raw = json.loads(path.read_text()) if path.is_file() else _cached_hub_config(name)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"`model = {name!r}`: {path} is not valid JSON ({e.msg} at line {e.lineno}, column "
+                         f"{e.colno}); fix the file, or save the config again with `config.save_pretrained(dir)`.") \
+            from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"`model = {name!r}`: {path} holds a {type(raw).__name__}, not a JSON object: it is not a "
+                         "transformers config.json.")
     if "model_type" not in raw:
         raise ValueError(f"`model = {name!r}`: {path} has no `model_type`: it is not a transformers config.json.")
     _check_family(raw, name)

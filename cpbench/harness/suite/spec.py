@@ -16,7 +16,7 @@ from pathlib import Path
 
 from cpbench.harness.suite.checks import NO_STYLE, SuiteErrors, err, validate
 from cpbench.harness.suite.levers import tiled_mlp_tiles
-from cpbench.report.schema import KEY_COLUMNS
+from cpbench.report.runs.schema import KEY_COLUMNS
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,7 +61,7 @@ class Suite:
     timeout_s: float = 300.0
     seed: int = 0
     memory_budget: str | None = None
-    # point-id glob -> "crash" | "oom" | "hang", or {fault = "hang", timeout_s = 10} to give that point its own
+    # point-id glob -> "crash" | "oom" | "hang" | "kill" (SIGKILL of a rank), or {fault = "hang", timeout_s = 10} to give that point its own
     # timeout (a hang costs its timeout; the other points keep the suite's). Only honoured when loaded with
     # allow_faults=True (the test hook, `cpbench sweep --allow-faults`); a fault is recorded in the point's
     # spec_json.
