@@ -8,6 +8,9 @@ than ranks they are replicated first, so each rank still receives the kv head it
 q, k and v travel in one all-to-all (each rank's share of the three packed side by side), and each arrives in
 the sequence's global order with one copy: the reordering of a zigzag layout's chunks is folded into the copy
 that lays the received heads out. Per layer: one all-to-all forward in, one out (and the same two in backward).
+
+Per-head parameters the inner attention reads follow the heads: attention sinks (one logit per query head, passed
+as `s_aux` and read by the models' eager functions as `module.sinks`) are sliced to this rank's query heads.
 """
 
 from __future__ import annotations
@@ -81,6 +84,31 @@ def _to_layout_order(x_bhsd: torch.Tensor, layout: SequenceLayout) -> torch.Tens
     return x_bhsd
 
 
+def heads_of(x: torch.Tensor | None, rank: int, size: int, what: str = "s_aux") -> torch.Tensor | None:
+    """The query heads `rank` holds after `_seq_to_heads` over `size` ranks (the contiguous block `rank` of the
+    heads: the head order the all-to-all keeps) of a per-head tensor [H, ...]."""
+    if x is None:
+        return None
+    if x.shape[0] % size:
+        raise ValueError(
+            f"{what} has {x.shape[0]} entries along its head dim, which {size} ranks do not share; it must have one "
+            "per query head (num_attention_heads, a multiple of the Ulysses degree)."
+        )
+    per = x.shape[0] // size
+    return x[rank * per : (rank + 1) * per]
+
+
+def per_head_overrides(module, kwargs: dict, rank: int, size: int) -> dict:
+    """In place on `kwargs`, and as ModuleView overrides: the per-head tensors sliced to this rank's query heads.
+    The sinks reach the inner attention twice: as `s_aux` (flex, flash) and as `module.sinks` (the eager functions
+    of gpt_oss, flint, granite_swa, mimo_v2_flash read it there); both are sliced, so autograd sends each rank's
+    share of their gradient to its own heads."""
+    if kwargs.get("s_aux") is not None:
+        kwargs["s_aux"] = heads_of(kwargs["s_aux"], rank, size)
+    sinks = getattr(module, "sinks", None)
+    return {"sinks": heads_of(sinks, rank, size, "sinks")} if isinstance(sinks, torch.Tensor) else {}
+
+
 def ulysses_attention(module, query, key, value, attention_mask, *, inner, group, layout, **kwargs):
     kwargs.pop("kernel_device", None)  # the model's own backend runs: it picks its kernels itself
     cp = layout.cp_size
@@ -89,7 +117,9 @@ def ulysses_attention(module, query, key, value, attention_mask, *, inner, group
     v_src, _ = _kv_for_heads(value, num_heads, cp)
     q_bhsd, k_bhsd, v_bhsd = _seq_to_heads([query, k_src, v_src], group, layout)
 
-    local = ModuleView(module, num_key_value_groups=(num_heads // cp) // kv_local, config=model_config(module))
+    heads = per_head_overrides(module, kwargs, layout.rank, cp)
+    local = ModuleView(module, num_key_value_groups=(num_heads // cp) // kv_local, config=model_config(module),
+                       **heads)
     out_bshd, _ = inner(local, q_bhsd, k_bhsd, v_bhsd, attention_mask, **kwargs)
     out_bhsd = _to_layout_order(out_bshd.transpose(1, 2), layout)
     return _heads_to_seq(out_bhsd, group, cp).transpose(1, 2).contiguous(), None

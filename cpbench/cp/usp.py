@@ -11,6 +11,9 @@
    padded, sliding windows, mixed layers), with the zigzag layout of `ring` ranks.
 3. All-to-all back to this rank's tokens x all heads.
 
+Attention sinks (`s_aux`, one logit per query head) follow the heads: sliced to this rank's Ulysses heads, they join
+the ring's merged result (cp/ring/sinks.py).
+
 Degree 1 is the ring (zigzag), degree cp_size is Ulysses with the ring's exact block kernel. Heads must be
 shared by the group (num_attention_heads a multiple of the degree).
 """
@@ -21,7 +24,7 @@ import torch
 
 from cpbench.cp.layout import SequenceLayout
 from cpbench.cp.ring.attention import ring_attention
-from cpbench.cp.ulysses import _heads_to_seq, _kv_for_heads, _seq_to_heads
+from cpbench.cp.ulysses import _heads_to_seq, _kv_for_heads, _seq_to_heads, heads_of
 
 
 def usp_attention(module, query, key, value, attention_mask, *, inner, group, layout, **kwargs):
@@ -33,6 +36,8 @@ def usp_attention(module, query, key, value, attention_mask, *, inner, group, la
     v_src, _ = _kv_for_heads(value, heads, u)
     gathered = SequenceLayout(u * local, u, member)  # the group's tokens in member order: nothing to reorder
     q, k, v = _seq_to_heads([query, k_src, v_src], group.ulysses, gathered)
+    if kwargs.get("s_aux") is not None:  # the ring reads the sinks from s_aux only (never module.sinks)
+        kwargs["s_aux"] = heads_of(kwargs["s_aux"], member, u)
     ring_layout = SequenceLayout(layout.seq_len, ring, ring_rank, "zigzag", pad_multiple=u, facts=layout.facts)
     assert ring_layout.local_len == u * local, (ring_layout, layout)
     out_bshd, _ = ring_attention(module, q, k, v, attention_mask, inner=inner, group=group.ring, layout=ring_layout,

@@ -13,6 +13,10 @@ per step and saves two K/V-sized buffers.
 P2P transfers per rank (one tensor sent, and one received, per transfer; K and V travel as they are, no packed
 copy): forward 2 (cp - 1); backward 2 (cp - 1) for K/V + 2 cp for dK/dV.
 
+Attention sinks (`s_aux`, one logit per head: gpt_oss and others) join the merged result once, after the last
+block, and their gradient is one row reduction: see cp/ring/sinks.py. The value head dim may differ from the
+query's (multi-head latent attention): the output and dV take v's.
+
 Zigzag is the same algorithm on the zigzag layout: rank r holds chunks r and 2cp-1-r, and the tile skipping
 (causal: a key chunk after a query chunk is never computed) gives every rank the same work at every step.
 """
@@ -23,12 +27,13 @@ from dataclasses import dataclass
 
 import torch
 
-from cpbench.cp.hf_compat import model_attention_implementation
+from cpbench.cp.hf_compat import model_attention_implementation, model_config
 from cpbench.cp.layout import SequenceLayout
 from cpbench.cp.ring.comm import DKV_TAG, KV_TAG, P2PCounter, RingComm
 from cpbench.cp.ring.kernels import RING_IMPLEMENTATIONS, acc_dtype, safe_lse
 from cpbench.cp.ring.masks import SKIP, RingMasks, build_ring_masks
 from cpbench.cp.ring.select import select_kernel
+from cpbench.cp.ring.sinks import add_sinks, check_sinks, sink_grad
 
 __all__ = ["RING_IMPLEMENTATIONS", "P2PCounter", "ring_attention", "ring_attention_with_lse", "ring_p2p_count"]
 
@@ -65,12 +70,12 @@ def _merge(out_acc: torch.Tensor, lse_acc: torch.Tensor, out_blk: torch.Tensor, 
     lse_acc.copy_(lse)
 
 
-def _forward(q, k, v, plan: RingPlan):
-    b, h, s, d = q.shape
+def _forward(q, k, v, sinks, plan: RingPlan):
+    b, h, s, _ = q.shape
     acc = acc_dtype(q.dtype)
-    # Laid out [B, S, H, D] in memory: the caller's `transpose(1, 2).contiguous()` is then free, so the output the
+    # Laid out [B, S, H, Dv] in memory: the caller's `transpose(1, 2).contiguous()` is then free, so the output the
     # autograd function saves and the one the model's o_proj saves are one tensor, not two.
-    out = torch.zeros(b, s, h, d, dtype=acc, device=q.device).transpose(1, 2)
+    out = torch.zeros(b, s, h, v.shape[-1], dtype=acc, device=q.device).transpose(1, 2)
     lse = torch.full((b, h, s), float("-inf"), dtype=acc, device=q.device)
     for step in range(plan.layout.cp_size):
         pending = None
@@ -81,6 +86,8 @@ def _forward(q, k, v, plan: RingPlan):
             _merge(out[:, :, rows], lse[:, :, rows], o, l)
         if pending is not None:
             k, v = pending.wait()
+    if sinks is not None:
+        lse = add_sinks(out, lse, sinks)  # in the accumulation dtype, before the output is rounded to q's
     return out.to(q.dtype), lse
 
 
@@ -114,12 +121,13 @@ def _backward(dout, q, k, v, out, lse, plan: RingPlan):
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, plan: RingPlan):
+    def forward(ctx, q, k, v, sinks, plan: RingPlan):
         # K/V are sent as they are, so keep them contiguous once here (the model hands over transposed views)
         # rather than letting every hop copy them.
         k, v = k.contiguous(), v.contiguous()
-        out, lse = _forward(q, k, v, plan)
-        ctx.save_for_backward(q, k, v, out, lse)
+        out, lse = _forward(q, k, v, sinks, plan)
+        # With sinks, out and lse are the final (sink-corrected) ones: what the tile backward needs (sinks.py).
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.plan = plan
         ctx.mark_non_differentiable(lse)
         return out, lse
@@ -134,15 +142,22 @@ class _RingAttention(torch.autograd.Function):
                 "cp_ring's backward ran twice on the same graph (backward(retain_graph=True), then backward again); "
                 "ring attention frees its state after one backward: run the forward again for a second backward."
             )
-        dq, dk, dv = _backward(dout, *ctx.saved_tensors, plan)
-        return dq, dk, dv, None
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        dsinks = None
+        if sinks is not None and ctx.needs_input_grad[3]:
+            # First, while no dQ/dK/dV accumulator exists yet: its temporaries do not add to the backward's peak.
+            dsinks = sink_grad(dout, out, lse, sinks)
+        dq, dk, dv = _backward(dout, q, k, v, out, lse, plan)
+        return dq, dk, dv, dsinks, None
 
 
 def ring_attention_with_lse(
     q_bhsd, k_bhsd, v_bhsd, masks: RingMasks, *, layout: SequenceLayout, group, kernel, scale: float,
-    counter: P2PCounter | None = None,
+    counter: P2PCounter | None = None, sinks: torch.Tensor | None = None,
 ):
-    """Ring attention over the cp group: (output [B, H, S_local, D], LSE [B, H, S_local] in fp32/fp64)."""
+    """Ring attention over the cp group: (output [B, H, S_local, Dv], LSE [B, H, S_local] in fp32/fp64).
+
+    `sinks`: one attention-sink logit per query head [H], or None; with sinks the LSE includes the sink's term."""
     comm = RingComm(group, counter)
     assert comm.size == layout.cp_size and comm.rank == layout.rank, (comm.size, comm.rank, layout)
     assert q_bhsd.shape[2] == k_bhsd.shape[2] == layout.local_len, (q_bhsd.shape, k_bhsd.shape, layout)
@@ -151,7 +166,8 @@ def ring_attention_with_lse(
             f"cp_ring: {q_bhsd.shape[1]} query heads are not a multiple of {k_bhsd.shape[1]} key/value heads; "
             "GQA needs num_attention_heads to be a multiple of num_key_value_heads (fix the model config)."
         )
-    return _RingAttention.apply(q_bhsd, k_bhsd, v_bhsd, RingPlan(comm, layout, masks, kernel, scale))
+    sinks = check_sinks(sinks, q_bhsd.shape[1])
+    return _RingAttention.apply(q_bhsd, k_bhsd, v_bhsd, sinks, RingPlan(comm, layout, masks, kernel, scale))
 
 
 def ring_attention(
@@ -166,17 +182,27 @@ def ring_attention(
             "attention_dropout=0.0, call model.eval(), or use cp_ulysses."
         )
     implementation = model_attention_implementation(module)
-    kernel = select_kernel(implementation, query, kwargs.get("softcap"), kernel_device)
+    kernel = select_kernel(implementation, query, kwargs.get("softcap"), kernel_device, value=value)
+    sinks = kwargs.get("s_aux")
+    batch = layout.facts.get() if layout.facts is not None else None
+    if "sliding_window" not in kwargs and getattr(model_config(module), "sliding_window", None) and \
+            isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4:
+        # The family windows its mask but does not tell its attention (phimoe): the batch's facts cannot say where
+        # the window is, the model's own mask can, so its tiles are read from it.
+        batch = None
     masks = build_ring_masks(
         attention_mask, seq_len=layout.seq_len, padded_len=layout.padded_len, device=query.device,
         is_causal=getattr(module, "is_causal", True), position_ids=kwargs.get("position_ids"),
-        sliding_window=kwargs.get("sliding_window"), eager=implementation == "eager",
-        batch=layout.facts.get() if layout.facts is not None else None,
-        varlen=bool(getattr(kernel, "takes_segments", lambda q: False)(query)),
+        # Eager's uniform rows (a row that sees no key averages all of them) need no sink: with a sink, the
+        # dtype's minimum on every key leaves the sink alone in the softmax, so such a row is 0 in eager, as here.
+        sliding_window=kwargs.get("sliding_window"), eager=implementation == "eager" and sinks is None,
+        batch=batch,
+        varlen=bool(getattr(kernel, "takes_segments", lambda q, v=None: False)(query, value)),
     )
     scale = kwargs.get("scaling")
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     out, _ = ring_attention_with_lse(
-        query, key, value, masks, layout=layout, group=group, kernel=kernel, scale=scale, counter=p2p_counter
+        query, key, value, masks, layout=layout, group=group, kernel=kernel, scale=scale, counter=p2p_counter,
+        sinks=sinks,
     )
     return out.transpose(1, 2).contiguous(), None  # no copy: see _forward

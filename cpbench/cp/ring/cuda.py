@@ -10,11 +10,20 @@ as PyTorch's own context parallelism does, in the model's dtype:
 - SEGMENTS tiles in fp16/bf16 (packed documents, padded keys and sliding windows that flash's varlen form says;
   see cp/ring/segments.py): the flash kernel's variable-length form (`_flash_attention_forward` with cu_seqlens and
   window sizes, and its backward), no mask tensor.
-- DENSE tiles (the masks varlen cannot say), fp32 inputs and larger head dims: the
-  memory-efficient kernel (`_scaled_dot_product_efficient_attention`), with the tile's mask as an additive bias in
-  the query's dtype; a masked tile runs in blocks of query rows whose [B, 1, rows, k] bias stays within 256 MiB
-  (no scores are kept, and no tile-sized bias exists).
+- DENSE tiles (the masks varlen cannot say), fp32 inputs, head dims above 256 and a value head dim other than the
+  query's (multi-head latent attention, e.g. q/k 192 and v 128): the memory-efficient kernel
+  (`_scaled_dot_product_efficient_attention`), with the tile's mask as an additive bias in the query's dtype; a
+  masked tile runs in blocks of query rows whose [B, 1, rows, k] bias stays within 256 MiB (no scores are kept, and
+  no tile-sized bias exists).
 - Logit soft-capping, fp64 and eager's fully blocked rows (`TileMask.uniform`): `TorchKernel`, exact.
+
+The value head dim: the flash kernel (dense and varlen) takes one head dim for q, k and v (flash_api.cpp mha_fwd /
+mha_varlen_fwd: CHECK_SHAPE(v, ..., head_size_og); emulated in tests/emulation/_flash.py `mha_fwd`), as sdpa's
+dispatcher knows (cuda/sdp_utils.cpp check_head_dim_size_flash: "Flash attention requires q,k,v to have the same
+last dimension and to be less than or equal to 256"). The efficient kernel checks q's head dim against k's only and
+sizes its output and dV by v's (attention.cu efficient_attention_forward_cutlass_origin, attention_backward.cu;
+tests/emulation/aten_efficient.py `_common_checks`): sdpa runs an MLA model there at cp=1, and so does the ring
+(`route`), whose masked tiles then stay DENSE (`takes_segments` is False: varlen is the flash kernel too).
 
 Both fused kernels take the merged (final) output and LSE in backward, as the ring needs: the tile's gradients
 are then its exact share. The flash kernel takes GQA as it is (fewer kv heads; dk/dv come back at the kv head
@@ -83,13 +92,16 @@ class CudaSdpaKernel:
         """Whether this GPU runs the flash kernels (Ampere and newer)."""
         return self.capability >= FLASH_MIN_CAPABILITY
 
-    def takes_segments(self, q: torch.Tensor) -> bool:
-        """Whether this layer's masked tiles can come as SEGMENTS (the flash kernel's GPUs, dtypes and head dims)."""
-        return self.flash and q.dtype in FLASH_DTYPES and q.shape[-1] <= FLASH_MAX_HEAD_DIM
+    def takes_segments(self, q: torch.Tensor, v: torch.Tensor | None = None) -> bool:
+        """Whether this layer's masked tiles can come as SEGMENTS (the flash kernel's GPUs, dtypes and head dims:
+        one head dim for q, k and v, at most 256)."""
+        return self.flash and q.dtype in FLASH_DTYPES and _flash_head_dims(q, v)
 
-    def route(self, q: torch.Tensor, tile: TileMask) -> str:
-        """"flash", "varlen", "efficient" or "torch": which kernel serves this tile."""
+    def route(self, q: torch.Tensor, tile: TileMask, v: torch.Tensor | None = None) -> str:
+        """"flash", "varlen", "efficient" or "torch": which kernel serves this tile (`v`: the tile's values, whose
+        head dim may differ from q's; default: the same)."""
         if tile.kind == SEGMENTS:
+            assert _flash_head_dims(q, v), "SEGMENTS tiles are built only where takes_segments() holds"
             return "varlen"
         if tile.uniform is not None or q.dtype not in FUSED_DTYPES:
             return "torch"
@@ -98,12 +110,12 @@ class CudaSdpaKernel:
                 f"cp_ring: bfloat16 attention needs a GPU of compute capability 8.0 (Ampere) or newer; this one is "
                 f"sm{self.capability[0]}{self.capability[1]}. Load the model in float16 or float32 on this GPU."
             )
-        if self.flash and tile.kind != DENSE and q.dtype in FLASH_DTYPES and q.shape[-1] <= FLASH_MAX_HEAD_DIM:
+        if self.flash and tile.kind != DENSE and q.dtype in FLASH_DTYPES and _flash_head_dims(q, v):
             return "flash"
         return "efficient"
 
     def forward(self, q, k, v, tile: TileMask, scale: float):
-        route = self.route(q, tile)
+        route = self.route(q, tile, v)
         if route == "torch":
             return self._exact.forward(q, k, v, tile, scale)
         acc = acc_dtype(q.dtype)
@@ -112,10 +124,10 @@ class CudaSdpaKernel:
         if route == "flash":  # GQA natively: one call for all heads
             out, lse, *_ = self.ops["flash"](_pad8(q), _pad8(k), _pad8(v), 0.0, tile.kind == CAUSAL, False,
                                              scale=scale)
-            return out[..., : q.shape[-1]].to(acc), lse.to(acc)
-        b, h, sq, d = q.shape
-        g = h // k.shape[1]
-        out = torch.empty(b, h, sq, d, dtype=acc, device=q.device)
+            return out[..., : v.shape[-1]].to(acc), lse.to(acc)
+        b, h, sq, _ = q.shape
+        g, d_v = h // k.shape[1], v.shape[-1]
+        out = torch.empty(b, h, sq, d_v, dtype=acc, device=q.device)
         lse = torch.empty(b, h, sq, dtype=acc, device=q.device)
         q, k, v = _pad8(q), _pad8(k), _pad8(v)  # the efficient kernel's aligned strides (see _pad8)
         for rows, bias in self._row_blocks(tile, q.dtype, sq, k.shape[2]):
@@ -124,7 +136,7 @@ class CudaSdpaKernel:
                 o, l, *_ = self.ops["efficient"](q[:, heads, rows], _expand(k, j, g), _expand(v, j, g),
                                                  _call_bias(bias, b, heads, g), True, 0.0, tile.kind == CAUSAL,
                                                  scale=scale)
-                out[:, heads, rows] = o[..., :d]
+                out[:, heads, rows] = o[..., :d_v]
                 lse[:, heads, rows] = l[..., :n]
                 del o, l
         if tile.kind == DENSE:
@@ -132,7 +144,7 @@ class CudaSdpaKernel:
         return out, lse
 
     def backward(self, dout, q, k, v, out, lse, tile: TileMask, scale: float, dq, dk, dv) -> None:
-        route = self.route(q, tile)
+        route = self.route(q, tile, v)
         if route == "torch":
             return self._exact.backward(dout, q, k, v, out, lse, tile, scale, dq, dk, dv)
         if route == "varlen":
@@ -141,17 +153,17 @@ class CudaSdpaKernel:
         lse = safe_lse(lse).float()
         causal = tile.kind == CAUSAL
         out, dout = out.to(q.dtype), dout.to(q.dtype)
+        d, d_v = q.shape[-1], v.shape[-1]
         if route == "flash":
-            d = q.shape[-1]
             seed, offset = _philox(q.device)
             gq, gk, gv = self.ops["flash_backward"](_pad8(dout), _pad8(q), _pad8(k), _pad8(v), _pad8(out),
                                                     lse.contiguous(), None, None, sq, k.shape[2], 0.0, causal, seed,
                                                     offset, scale=scale)[:3]
             dq += gq[..., :d]
             dk += gk[..., :d]
-            dv += gv[..., :d]
+            dv += gv[..., :d_v]
             return None
-        b, g, d = q.shape[0], q.shape[1] // k.shape[1], q.shape[-1]
+        b, g = q.shape[0], q.shape[1] // k.shape[1]
         dout, q, k, v, out = (_pad8(x) for x in (dout, q, k, v, out))
         for rows, bias in self._row_blocks(tile, q.dtype, sq, k.shape[2]):
             n = rows.stop - rows.start
@@ -165,7 +177,7 @@ class CudaSdpaKernel:
                 )[:3]
                 dq[:, heads, rows] += gq[..., :d]
                 dk[:, j] += gk[..., :d].sum(1, dtype=dk.dtype)  # the group's shares, summed in the accumulation dtype
-                dv[:, j] += gv[..., :d].sum(1, dtype=dv.dtype)
+                dv[:, j] += gv[..., :d_v].sum(1, dtype=dv.dtype)
                 del gq, gk, gv
         return None
 
@@ -190,6 +202,11 @@ class CudaSdpaKernel:
         for start in range(0, sq, step):
             rows = slice(start, min(start + step, sq))
             yield rows, _bias(TileMask(DENSE, tile.allowed[..., rows, :]), dtype)
+
+
+def _flash_head_dims(q: torch.Tensor, v: torch.Tensor | None) -> bool:
+    """Whether the flash kernel takes these head dims: one for q, k and v (see the module docstring), at most 256."""
+    return (v is None or v.shape[-1] == q.shape[-1]) and q.shape[-1] <= FLASH_MAX_HEAD_DIM
 
 
 def _groups(kv_heads: int, g: int):

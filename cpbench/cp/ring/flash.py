@@ -6,10 +6,10 @@ tiles come as SEGMENTS where they can (packed documents, padded keys, a sliding 
 through flash-attn's varlen functions with cu_seqlens and window_size. The rest (a padded run inside a document,
 a window cutting a packed tile) go to PyTorch's fused memory-efficient kernel with a bias
 (`ring_cuda.CudaSdpaKernel`), or to the exact `TorchKernel` with logit soft-capping, as do head dims above
-flash-attn's 256. Uses flash-attn's private `_flash_attn_forward` / `_flash_attn_backward` and their varlen forms
-(the flash-attn >= 2.7 signatures, with separate window_size_left/right); the import is guarded. CPU CI runs this
-glue against a strict emulation of those functions (tests/unit/test_ring_flash.py,
-tests/unit/test_ring_segments.py); no CI job runs the real kernels yet.
+flash-attn's 256 and a value head dim other than the query's (see `_head_dims`). Uses flash-attn's private
+`_flash_attn_forward` / `_flash_attn_backward` and their varlen forms (the flash-attn >= 2.7 signatures, with
+separate window_size_left/right); the import is guarded. CPU CI runs this glue against a strict emulation of those
+functions (tests/unit/test_ring_flash.py, tests/unit/test_ring_segments.py); no CI job runs the real kernels yet.
 """
 
 from __future__ import annotations
@@ -74,6 +74,14 @@ def _bshd(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return F.pad(x, (0, pad)) if pad else x.contiguous()
 
 
+def _head_dims(q: torch.Tensor, v: torch.Tensor | None) -> bool:
+    """Whether flash-attn takes these head dims: one for q, k and v (flash_api.cpp mha_fwd:417-418 and
+    mha_varlen_fwd: CHECK_SHAPE(v, batch_size, seqlen_k, num_heads_k, head_size); emulated in tests/emulation/_flash.py
+    `mha_fwd`), at most 256. A layer whose value head dim differs (multi-head latent attention) runs every tile on the
+    `masked` kernel, PyTorch's memory-efficient one, which takes it (cp/ring/cuda.py)."""
+    return (v is None or v.shape[-1] == q.shape[-1]) and q.shape[-1] <= FLASH_MAX_HEAD_DIM
+
+
 class FlashAttnKernel:
     def __init__(self, fwd, bwd, varlen_fwd=None, varlen_bwd=None, *, softcap: float | None = None, masked=None):
         """`masked`: the kernel for the tiles flash-attn cannot take (default: the exact `TorchKernel`). Without
@@ -86,12 +94,12 @@ class FlashAttnKernel:
             self._varlen_fwd, self._varlen_bwd = varlen_fwd, varlen_bwd
             self._varlen = VarlenOps(self._call_varlen_forward, self._call_varlen_backward)
 
-    def takes_segments(self, q: torch.Tensor) -> bool:
-        return self._varlen is not None and q.shape[-1] <= FLASH_MAX_HEAD_DIM
+    def takes_segments(self, q: torch.Tensor, v: torch.Tensor | None = None) -> bool:
+        return self._varlen is not None and _head_dims(q, v)
 
     @staticmethod
-    def _serves(q: torch.Tensor, tile: TileMask) -> bool:
-        return tile.kind != DENSE and q.shape[-1] <= FLASH_MAX_HEAD_DIM
+    def _serves(q: torch.Tensor, v: torch.Tensor, tile: TileMask) -> bool:
+        return tile.kind != DENSE and _head_dims(q, v)
 
     def _call_varlen_forward(self, q, k, v, cu_q, cu_k, max_q, max_k, causal, left, right, scale):
         out, lse, *_ = self._varlen_fwd(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, scale, causal, left, right,
@@ -111,17 +119,17 @@ class FlashAttnKernel:
     def forward(self, q, k, v, tile: TileMask, scale: float):
         if tile.kind == SEGMENTS:
             return varlen_forward(self._varlen, q, k, v, tile.segments, scale, acc_dtype(q.dtype))
-        if not self._serves(q, tile):
+        if not self._serves(q, v, tile):
             return self._fallback.forward(q, k, v, tile, scale)
         q_, k_, v_ = (_bshd(x, q.dtype) for x in (q, k, v))
         out, lse, _, _ = self._fwd(q_, k_, v_, 0.0, *self._flags(tile, scale), None, False)
         acc = acc_dtype(q.dtype)
-        return out[..., : q.shape[-1]].transpose(1, 2).to(acc), lse.to(acc)  # flash-attn's LSE is always fp32
+        return out[..., : v.shape[-1]].transpose(1, 2).to(acc), lse.to(acc)  # flash-attn's LSE is always fp32
 
     def backward(self, dout, q, k, v, out, lse, tile: TileMask, scale: float, dq_acc, dk_acc, dv_acc) -> None:
         if tile.kind == SEGMENTS:
             return varlen_backward(self._varlen, dout, q, k, v, out, lse, tile.segments, scale, dq_acc, dk_acc, dv_acc)
-        if not self._serves(q, tile):
+        if not self._serves(q, v, tile):
             return self._fallback.backward(dout, q, k, v, out, lse, tile, scale, dq_acc, dk_acc, dv_acc)
         # flash-attn's backward wants out and dout in the query's dtype and the LSE as fp32 [B, H, S], contiguous.
         q_, k_, v_, o_, do_ = (_bshd(x, q.dtype) for x in (q, k, v, out, dout))
@@ -130,7 +138,7 @@ class FlashAttnKernel:
             do_, q_, k_, v_, o_, lse.float().contiguous(), dq, dk, dv, 0.0, *self._flags(tile, scale), None, False,
             None,
         )
-        d = q.shape[-1]
+        d, d_v = q.shape[-1], v.shape[-1]
         dq_acc += dq[..., :d].transpose(1, 2)
         dk_acc += dk[..., :d].transpose(1, 2)
-        dv_acc += dv[..., :d].transpose(1, 2)
+        dv_acc += dv[..., :d_v].transpose(1, 2)

@@ -1,15 +1,17 @@
 """Block kernels for ring attention: one tile's output and log-sum-exp, and its recompute-based backward.
 
-A kernel sees one tile: queries q [B, H, q, D], keys/values k, v [B, Hkv, k, D] (GQA: query head h uses kv
-head h // (H / Hkv), as transformers' `repeat_kv`), and the tile's `TileMask` (never SKIP). `forward` returns
-the tile's output and LSE in the accumulation dtype (fp32, or fp64 for fp64 inputs); a row that sees no key gets
+A kernel sees one tile: queries q [B, H, q, D], keys k [B, Hkv, k, D], values v [B, Hkv, k, Dv] (GQA: query head
+h uses kv head h // (H / Hkv), as transformers' `repeat_kv`; Dv may differ from D, as in multi-head latent attention),
+and the tile's `TileMask` (never SKIP). `forward` returns the tile's output [B, H, q, Dv] and LSE in the accumulation
+dtype (fp32, or fp64 for fp64 inputs); a row that sees no key gets
 output 0 and LSE -inf, so merging it changes nothing. `backward` is flash-attention style: given the *final*
 (merged) output and LSE of the rows, the tile's probabilities exp(s - lse) are its exact share of the global
 softmax, so the tile's dq, dk, dv are its exact share of the gradients and no scores are kept from forward.
 
 Kernels:
 - `CpuSdpaKernel` — torch's CPU flash kernel (`_scaled_dot_product_flash_attention_for_cpu` and its backward),
-  which returns the LSE and never holds a whole tile's scores: memory O(tile rows), like sdpa at cp=1.
+  which returns the LSE and never holds a whole tile's scores: memory O(tile rows), like sdpa at cp=1. It takes one
+  head dim for q, k and v: a tile whose value head dim differs is zero-padded to one (see `_one_head_dim`).
 - `TorchKernel` — matmul + logsumexp on any device, also serving logit soft-capping; it holds the tile's scores
   (as eager attention holds the whole matrix).
 - `FlashAttnKernel` (cp/ring/flash.py) — flash-attn's kernels, for flash_attention_2 models on CUDA.
@@ -66,21 +68,21 @@ class TorchKernel:
         return qg, s, t
 
     def forward(self, q, k, v, tile: TileMask, scale: float):
-        b, h, sq, d = q.shape
+        b, h, sq, _ = q.shape
         _, s, _ = self._scores(q, k, tile, scale)
         lse = torch.logsumexp(s, dim=-1)
         p = torch.exp(s - safe_lse(lse)[..., None])
         out = torch.matmul(p, v.to(s.dtype)[:, :, None])
-        return out.reshape(b, h, sq, d), lse.reshape(b, h, sq)
+        return out.reshape(b, h, sq, v.shape[-1]), lse.reshape(b, h, sq)
 
     def backward(self, dout, q, k, v, out, lse, tile: TileMask, scale: float, dq, dk, dv) -> None:
         b, h, sq, d = q.shape
-        hkv = k.shape[1]
+        hkv, d_v = k.shape[1], v.shape[-1]
         qg, s, t = self._scores(q, k, tile, scale)
         acc = s.dtype
         p = torch.exp(s - safe_lse(lse.to(acc)).reshape(b, hkv, h // hkv, sq, 1))
-        do = dout.to(acc).reshape(b, hkv, h // hkv, sq, d)
-        delta = (do * out.to(acc).reshape(b, hkv, h // hkv, sq, d)).sum(-1, keepdim=True)
+        do = dout.to(acc).reshape(b, hkv, h // hkv, sq, d_v)
+        delta = (do * out.to(acc).reshape(b, hkv, h // hkv, sq, d_v)).sum(-1, keepdim=True)
         dv += torch.matmul(p.transpose(-1, -2), do).sum(2)
         ds = p * (torch.matmul(do, v.to(acc)[:, :, None].transpose(-1, -2)) - delta)
         if t is not None:
@@ -94,6 +96,21 @@ def _group_mask(allowed: torch.Tensor, hkv: int) -> torch.Tensor:
     if allowed.shape[1] == 1:
         return allowed[:, :, None]
     return allowed.reshape(allowed.shape[0], hkv, -1, *allowed.shape[2:])
+
+
+def _one_head_dim(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The tensors zero-padded along the head dim to the largest one among them (unchanged where all agree).
+
+    torch's CPU flash kernel requires one head dim for q, k and v (aten/src/ATen/native/cpu/FlashAttentionKernel.cpp,
+    cpu_flash_attention: "Q/K/V should have the same head size"), which multi-head latent attention breaks (q/k 192,
+    v 128). Zero columns change no score (q.k gains 0; the scale is always passed explicitly), and a zero value
+    column gives a zero output column and needs a zero out/dout column in backward, which leaves delta = rowsum(dO * O)
+    as it was: every gradient is exact once the padding is cut off. The padding is a copy of the tile's v (and of its
+    out/dout rows in backward), O(tile) like the kernel's own gradients, where the matmul kernel would hold the tile's
+    fp32 scores (as sdpa itself does on CPU: sdp_utils_cpp.cpp check_head_dim_size_cpp sends unequal head dims to the
+    math path); transformers pads v the same way for flash attention (integrations/flash_attention.py)."""
+    d = max(x.shape[-1] for x in tensors)
+    return tuple(x if x.shape[-1] == d else torch.nn.functional.pad(x, (0, d - x.shape[-1])) for x in tensors)
 
 
 class CpuSdpaKernel:
@@ -117,11 +134,12 @@ class CpuSdpaKernel:
     def forward(self, q, k, v, tile: TileMask, scale: float):
         if tile.uniform is not None:
             return TorchKernel().forward(q, k, v, tile, scale)
-        b, h, sq, d = q.shape
-        hkv = k.shape[1]
+        b, h, sq, _ = q.shape
+        hkv, d_v = k.shape[1], v.shape[-1]
         g = h // hkv
         bias = self._additive(tile, q.dtype)
-        out = torch.empty(b, h, sq, d, dtype=acc_dtype(q.dtype), device=q.device)
+        q, k, v = _one_head_dim(q, k, v)
+        out = torch.empty(b, h, sq, d_v, dtype=acc_dtype(q.dtype), device=q.device)
         lse = torch.empty(b, h, sq, dtype=out.dtype, device=q.device)
         for j in range(hkv):
             heads = slice(j * g, (j + 1) * g)
@@ -129,7 +147,7 @@ class CpuSdpaKernel:
             o, l = self._fwd(
                 q[:, heads], k[:, j : j + 1], v[:, j : j + 1], 0.0, tile.kind == CAUSAL, attn_mask=mask, scale=scale
             )
-            out[:, heads] = o
+            out[:, heads] = o[..., :d_v]
             lse[:, heads] = l
         if tile.kind == DENSE:
             # The kernel reports LSE 0 for a row that sees no key; the merge needs -inf there.
@@ -140,8 +158,10 @@ class CpuSdpaKernel:
         if tile.uniform is not None:
             return TorchKernel().backward(dout, q, k, v, out, lse, tile, scale, dq, dk, dv)
         g = q.shape[1] // k.shape[1]
+        d, d_v = q.shape[-1], v.shape[-1]
         bias = self._additive(tile, q.dtype)
         lse = safe_lse(lse).to(acc_dtype(q.dtype))
+        dout, q, k, v, out = _one_head_dim(dout, q, k, v, out)
         for head in range(q.shape[1]):
             # One query head at a time: the kernel returns fresh gradient tensors, and at this size they stay a
             # 1/H fraction of the layer's activations instead of a second dq.
@@ -151,7 +171,7 @@ class CpuSdpaKernel:
                 dout[:, hq], q[:, hq], k[:, hkv], v[:, hkv], out[:, hq], lse[:, hq],
                 0.0, tile.kind == CAUSAL, attn_mask=mask, scale=scale,
             )
-            dq[:, hq] += g_dq
-            dk[:, hkv] += g_dk
-            dv[:, hkv] += g_dv
+            dq[:, hq] += g_dq[..., :d]
+            dk[:, hkv] += g_dk[..., :d]
+            dv[:, hkv] += g_dv[..., :d_v]
             del g_dq, g_dk, g_dv

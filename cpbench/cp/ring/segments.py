@@ -172,13 +172,14 @@ def _cumsum(lengths: list[int]) -> list[int]:
 
 
 def varlen_forward(ops: VarlenOps, q, k, v, seg: Segments, scale: float, acc: torch.dtype):
-    b, h, n, d = q.shape
+    b, h, n, _ = q.shape
+    d_v = v.shape[-1]
     p = _Packed(seg, b, n, q.device)
     q_, k_, v_ = p.take(q, p.q, q.dtype), p.take(k, p.k, q.dtype), p.take(v, p.k, q.dtype)
     out, lse = ops.forward(q_, k_, v_, p.cu_q, p.cu_k, p.max_q, p.max_k, seg.causal, *seg.window, float(scale))
-    out_full = torch.zeros(b, h, n, d, dtype=acc, device=q.device)  # rows outside every segment: 0, LSE -inf
+    out_full = torch.zeros(b, h, n, d_v, dtype=acc, device=q.device)  # rows outside every segment: 0, LSE -inf
     lse_full = torch.full((b, h, n), float("-inf"), dtype=acc, device=q.device)
-    out_full[p.q[0], :, p.q[1]] = out[..., :d].to(acc)
+    out_full[p.q[0], :, p.q[1]] = out[..., :d_v].to(acc)
     lse_full[p.q[0], :, p.q[1]] = lse.t().to(acc)
     return out_full, lse_full
 
@@ -186,7 +187,7 @@ def varlen_forward(ops: VarlenOps, q, k, v, seg: Segments, scale: float, acc: to
 def varlen_backward(ops: VarlenOps, dout, q, k, v, out, lse, seg: Segments, scale: float, dq, dk, dv) -> None:
     """Adds the tile's gradients into the accumulators dq [B, H, n, D], dk/dv [B, Hkv, n, D] (every token of a tile
     is in one segment at most, so the indexed adds never meet)."""
-    d = q.shape[-1]
+    d, d_v = q.shape[-1], v.shape[-1]
     p = _Packed(seg, q.shape[0], q.shape[2], q.device)
     q_, o_, do_ = (p.take(x, p.q, q.dtype) for x in (q, out, dout))
     k_, v_ = p.take(k, p.k, q.dtype), p.take(v, p.k, q.dtype)
@@ -195,4 +196,4 @@ def varlen_backward(ops: VarlenOps, dout, q, k, v, out, lse, seg: Segments, scal
                               float(scale))
     dq[p.q[0], :, p.q[1]] += gq[..., :d].to(dq.dtype)
     dk[p.k[0], :, p.k[1]] += gk[..., :d].to(dk.dtype)
-    dv[p.k[0], :, p.k[1]] += gv[..., :d].to(dv.dtype)
+    dv[p.k[0], :, p.k[1]] += gv[..., :d_v].to(dv.dtype)
