@@ -71,6 +71,13 @@ class DistributedConfig(HFDistributedConfig):
                     f"`{name}={value}` together with `cp_size={self.cp_size}` is not supported yet: cpbench composes "
                     f"context parallelism with FSDP and dp_replicate only. Set `{name}=1` or `cp_size=1`."
                 )
+        # The deprecated flag alone would become ep_size = tp_size = 1 in transformers' checks, silently no EP.
+        if self.enable_expert_parallel:
+            raise ValueError(
+                f"`enable_expert_parallel=True` together with `cp_size={self.cp_size}` is not supported yet: under "
+                "context parallelism an MoE model's experts are FSDP-sharded with the rest of it, never expert-"
+                "parallel. Drop `enable_expert_parallel` (and `ep_size`), or set `cp_size=1`."
+            )
         if _torch_version() < MIN_TORCH:
             raise ValueError(
                 f"Context parallelism needs torch>={MIN_TORCH[0]}.{MIN_TORCH[1]}, found {torch.__version__}. "

@@ -4,10 +4,11 @@ A full loss holds, per rank, the logits in the model dtype, their fp32 copy, the
 gradients: at 16k tokens and a 152k vocabulary about 27 GiB. Here the model's output projection is given only an
 empty slice of the final hidden states (a forward pre-hook on the head, after FSDP's own, so the head's weights
 are gathered as usual), and the loss is computed from the hidden states in chunks of tokens: each chunk's logits
-(with the model's final soft-capping) are made in fp32, reduced to a sum of cross-entropies and dropped, and
-recomputed in backward (activation checkpointing per chunk). Chunks hold 256 MiB of fp32 logits, or more where
-that would make more than 256 chunks. At most one chunk's logits and their gradient exist at a time; the sum over chunks is the full loss's sum in another order (fp32 rounding only). `out.logits` is None
-with this loss: ask for the full loss to get logits.
+(with what the family's head does after its projection: a bias, a scale, a soft-cap; cp/loss/head.py) are made in
+fp32, reduced to a sum of cross-entropies and dropped, and recomputed in backward (activation checkpointing per
+chunk). Chunks hold 256 MiB of fp32 logits, or more where that would make more than 256 chunks. At most one chunk's
+logits and their gradient exist at a time; the sum over chunks is the full loss's sum in another order (fp32
+rounding only). `out.logits` is None with this loss: ask for the full loss to get logits.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from cpbench.cp.loss.causal_lm import IGNORE_INDEX
+from cpbench.cp.loss.head import Ops, apply_ops, logit_ops, softcap_ops
 
 CHUNK_BYTES = 1 << 28  # fp32 logits of one chunk: 256 MiB (441 tokens of a 152k vocabulary)
 # ... or larger chunks where 256 MiB ones would be more than this many: each chunk is a sequence of kernels and a
@@ -40,25 +42,27 @@ def check_loss(loss: str) -> None:
             raise ImportError(INSTALL_HINT)
 
 
-def _chunk_sum(hidden_nh: torch.Tensor, weight_vh: torch.Tensor, targets_n: torch.Tensor, softcap) -> torch.Tensor:
-    logits = F.linear(hidden_nh, weight_vh).float()
-    if softcap:
-        logits = torch.tanh(logits / softcap) * softcap
+def _chunk_sum(hidden_nh, weight_vh, bias_v, targets_n, ops: Ops) -> torch.Tensor:
+    # The ops run on fp32 logits: the family's own head runs them in the model dtype and its loss upcasts after,
+    # so in fp32 the two agree to rounding and in bf16 this is the more precise of the two.
+    logits = apply_ops(F.linear(hidden_nh, weight_vh, bias_v).float(), ops)
     return F.cross_entropy(logits, targets_n, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 def chunked_cross_entropy_sum(
     hidden_bsh: torch.Tensor, weight_vh: torch.Tensor, targets_bs: torch.Tensor, softcap: float | None = None,
-    chunk_bytes: int = CHUNK_BYTES,
+    chunk_bytes: int = CHUNK_BYTES, *, bias_v: torch.Tensor | None = None, ops: Ops = (),
 ) -> torch.Tensor:
-    """Sum over every position of cross_entropy(hidden @ weight.T, target), -100 ignored, one chunk at a time."""
+    """Sum over every position of cross_entropy(ops(hidden @ weight.T + bias), target), -100 ignored, one chunk at a
+    time. `softcap` is a shorthand for the soft-cap ops, applied after `ops`."""
+    ops = (*ops, *softcap_ops(softcap))
     hidden_nh = hidden_bsh.reshape(-1, hidden_bsh.shape[-1])
     targets_n = targets_bs.reshape(-1)
     rows = max(1, chunk_bytes // (4 * weight_vh.shape[0]), -(-hidden_nh.shape[0] // MAX_CHUNKS))
     total = hidden_nh.new_zeros((), dtype=torch.float32)
     for start in range(0, hidden_nh.shape[0], rows):
         part = slice(start, start + rows)
-        total = total + checkpoint(_chunk_sum, hidden_nh[part], weight_vh, targets_n[part], softcap,
+        total = total + checkpoint(_chunk_sum, hidden_nh[part], weight_vh, bias_v, targets_n[part], ops,
                                    use_reentrant=False)
     return total
 
@@ -66,8 +70,10 @@ def chunked_cross_entropy_sum(
 class HeadInput:
     """While entered, the model's output projection sees an empty slice of its input, which is kept here."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, loss: str = "chunked"):
+        self.loss = loss
         self.head = model.get_output_embeddings()
+        self.ops = logit_ops(model, loss)  # before the forward: a head cpbench cannot redo fails fast
         self.hidden: torch.Tensor | None = None
 
     def _hook(self, module, args):
@@ -82,12 +88,13 @@ class HeadInput:
         finally:
             handle.remove()
 
-    def loss_sum(self, targets_bs: torch.Tensor, config, loss: str = "chunked") -> torch.Tensor:
+    def loss_sum(self, targets_bs: torch.Tensor) -> torch.Tensor:
         if self.hidden is None:
-            raise RuntimeError(f"the model's forward did not call its output projection; loss={loss!r} needs it.")
-        softcap = getattr(config, "final_logit_softcapping", None)
-        if loss == "liger":
+            raise RuntimeError(f"the model's forward did not call its output projection; loss={self.loss!r} needs it.")
+        if self.loss == "liger":
             from cpbench.cp.loss.liger import liger_cross_entropy_sum
 
-            return liger_cross_entropy_sum(self.hidden, self.head.weight, targets_bs, softcap)
-        return chunked_cross_entropy_sum(self.hidden, self.head.weight, targets_bs, softcap)
+            return liger_cross_entropy_sum(self.hidden, self.head.weight, targets_bs, bias_v=self.head.bias,
+                                           ops=self.ops)
+        return chunked_cross_entropy_sum(self.hidden, self.head.weight, targets_bs, bias_v=self.head.bias,
+                                         ops=self.ops)
