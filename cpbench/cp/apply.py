@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from cpbench.cp import hf_compat
 from cpbench.cp.config import DistributedConfig
+from cpbench.cp.families.mixers import AttentionCalls, check_layers
 from cpbench.cp.forward import ForwardState, refuse_generate, wrap_forward
 from cpbench.cp.layout import SequenceLayout
 from cpbench.cp.loss.chunked import check_loss
@@ -29,6 +30,7 @@ class AttentionBinding:
     style: object
     group: dist.ProcessGroup
     kernel_device: str | None = None  # DistributedConfig.cp_kernel_device
+    state: ForwardState | None = None  # the forward in flight (its layout, for layers that drop their kwargs)
 
 
 def wants_cp(config) -> bool:
@@ -50,8 +52,8 @@ def check_model_class(model_cls: type, model_type: str | None = None) -> None:
     reason = refusal_reason(model_type) if model_type else None
     if reason:
         raise ValueError(
-            f"`{model_cls.__name__}` (model_type={model_type!r}) cannot use context parallelism: {reason}, which a "
-            "sequence cut would silently break. It has no `cp_plan`; set `cp_size=1`."
+            f"`{model_cls.__name__}` (model_type={model_type!r}) cannot use context parallelism: {reason}. No "
+            "`cp_plan` makes a sequence cut exact there (docs/families.md has every family and why); set `cp_size=1`."
         )
 
 
@@ -76,6 +78,7 @@ def resolve_for(model: torch.nn.Module, config: DistributedConfig) -> ResolvedPl
     check_model_head(model)
     names = [n for n, _ in model.named_modules()]
     plan = resolve_plan(model_cp_plan(model, config), names, cp_size=config.cp_size, model_name=type(model).__name__)
+    check_layers(model, plan.split_modules, type(model).__name__)
     for name, style_name in plan.attention_modules.items():
         style = attention_style(style_name)
         if style.check is not None:
@@ -97,6 +100,9 @@ def apply_context_parallel(
     make_layout = functools.partial(SequenceLayout, cp_size=config.cp_size, rank=rank, kind=plan.layout,
                                     ulysses=config.cp_ulysses_degree if plan.layout == "zigzag" else 1)
     state = ForwardState(make_layout)
+    # the module whose forward runs the decoder layers builds their mask (a multimodal wrapper's language model)
+    stack = plan.first_split.rsplit(".", 2)[0] if plan.first_split.count(".") >= 2 else ""
+    state.documents = hf_compat.masks_isolate_documents(type(model.get_submodule(stack)))
     if getattr(model, "cp_state", None) is not None:  # use_loss() before parallelize(): keep the choice
         state.loss = model.cp_state.loss
     rotary_cuts = RotaryCuts()
@@ -109,7 +115,9 @@ def apply_context_parallel(
     for name, style_name in plan.attention_modules.items():
         style = attention_style(style_name)
         groups = mesh.usp_groups if style.fn is usp_attention else group
-        hf_compat.bind_attention(model.get_submodule(name), AttentionBinding(style, groups, config.cp_kernel_device))
+        hf_compat.bind_attention(model.get_submodule(name),
+                                 AttentionBinding(style, groups, config.cp_kernel_device, state))
+    model.cp_attention_calls = AttentionCalls(model, plan.split_modules, plan.attention_modules, type(model).__name__)
     model.cp_plan = model_cp_plan(model, config)
     model.cp_resolved_plan = plan
     model.cp_layout = make_layout  # seq_len -> this rank's SequenceLayout (what gather_sequence needs)

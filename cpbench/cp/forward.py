@@ -3,7 +3,8 @@
 Wraps the top model's `forward`. Every CP model refuses a KV cache (it would hold only this rank's tokens) and
 runs with `use_cache=False`. A causal LM takes the full `labels` and returns the loss of the whole sequences and
 this rank's logits; a base model returns this rank's `last_hidden_state`. A rank whose tail is padding returns
-only its real tokens.
+only its real tokens. An MoE causal LM asked for its router logits adds its router auxiliary loss of the whole
+sequences (cp/loss/router.py) and returns it as `aux_loss`, with this rank's router logits as `router_logits`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from cpbench.cp.batch_mask import BatchFacts
 from cpbench.cp.layout import SequenceLayout
 from cpbench.cp.loss.causal_lm import cp_causal_lm_loss, shift_and_cut_labels, whole_sequence_mean
 from cpbench.cp.loss.chunked import HeadInput
+from cpbench.cp.loss.router import RouterCapture, local_token_mask, router_aux, whole_sequence_aux
 
 
 class ForwardState:
@@ -29,6 +31,7 @@ class ForwardState:
         # the embedding on this rank's ids (split.LocalEmbedding); off for a forward that returns every hidden state,
         # whose first one is the whole embedding
         self.local_embedding = True
+        self.documents = True  # the model's mask isolates packed documents (set from its forward: hf_compat)
 
     @contextlib.contextmanager
     def active(self, layout: SequenceLayout):
@@ -87,16 +90,23 @@ def wrap_forward(model, state: ForwardState, group, *, causal_lm: bool):
         tokens = input_ids if input_ids is not None else kwargs.get("inputs_embeds")
         seq_len = tokens.shape[1]
         given = signature.bind_partial(input_ids, *args, **kwargs).arguments  # the mask may come positionally
-        facts = BatchFacts(seq_len, given.get("attention_mask"), given.get("position_ids"))
+        # position_ids may reach the model through its **kwargs (a multimodal wrapper passes them on to its language
+        # model); documents only where the model's own mask keeps them apart (hf_compat.masks_isolate_documents)
+        positions = given.get("position_ids", kwargs.get("position_ids")) if state.documents else None
+        facts = BatchFacts(seq_len, given.get("attention_mask"), positions)
         layout = state.make_layout(seq_len, facts=facts)
-        head = HeadInput(model) if causal_lm and labels is not None and state.loss != "full" else None
+        head = HeadInput(model, state.loss) if causal_lm and labels is not None and state.loss != "full" else None
+        aux = router_aux(model, kwargs) if causal_lm else None  # turns the family's own (local) aux loss off
+        router = RouterCapture(model) if aux is not None else None
+        if aux is not None:  # before the forward: a mask the aux loss cannot count by fails fast
+            token_mask = local_token_mask(given.get("attention_mask"), layout, tokens.shape[0], tokens.device)
         state.local_embedding = not kwargs.get("output_hidden_states")
-        with state.active(layout), (head.capture() if head else contextlib.nullcontext()):
+        with state.active(layout), (head.capture() if head else contextlib.nullcontext()), \
+                (router.capture() if router else contextlib.nullcontext()):
             out = forward(input_ids, *args, **kwargs)
         if head is not None:
             targets = shift_and_cut_labels(labels.to(head.hidden.device), layout)
-            total = head.loss_sum(targets, model.config, state.loss)
-            loss = whole_sequence_mean(total, targets, group, num_items_in_batch)
+            loss = whole_sequence_mean(head.loss_sum(targets), targets, group, num_items_in_batch)
             fields = {"logits": None, "loss": loss}
         elif causal_lm:
             fields = {"logits": _trim(out.logits, layout)}
@@ -104,6 +114,11 @@ def wrap_forward(model, state: ForwardState, group, *, causal_lm: bool):
                 fields["loss"] = cp_causal_lm_loss(out.logits, labels, layout, group, num_items_in_batch)
         else:
             fields = {"last_hidden_state": _trim(out.last_hidden_state, layout)}
+        if aux is not None:
+            fields["aux_loss"] = whole_sequence_aux(router.logits, aux, token_mask, group)
+            fields["router_logits"] = tuple(router.logits)
+            if labels is not None:  # as the family adds it: the cross-entropy plus coef x aux
+                fields["loss"] = fields["loss"] + aux.coef * fields["aux_loss"].to(fields["loss"].device)
         # Rebuilt rather than assigned: a ModelOutput orders its tuple form by field, only from construction.
         out = type(out)(**{**out, **fields})
         return out.to_tuple() if return_dict is False else out

@@ -1,4 +1,6 @@
-"""Every touch point between cpbench and transformers internals, in one place.
+"""Every touch point between cpbench and transformers internals, in one place, but for two that read a family's own
+code: cp/loss/family.py (what a causal LM's forward does between its head and its loss, and its router aux loss) and
+cp/families/ (the audit of every family, and the check that a cut layer mixes tokens only in attention).
 
 Tested against transformers 5.23 (pinned in pyproject.toml). What cpbench relies on:
 
@@ -30,13 +32,21 @@ Tested against transformers 5.23 (pinned in pyproject.toml). What cpbench relies
 7. `transformers.modeling_utils.save_on_cpu`, which `activation_checkpointing_enable(offload=True)` calls as
    `save_on_cpu(pin_memory=True, ...)`: pinning fails where no accelerator exists. `install` wraps it the same way
    (`save_on_cpu_where_pinnable`), so activation offload runs on CPU too (where it copies to host what already is).
+8. Whether a base model builds its mask with `position_ids` (`masks_isolate_documents`, read from its forward's source):
+   transformers' mask functions isolate packed documents (position_ids restarting) only when given them, and a few
+   families (afmoe) leave them out, so their unsharded model attends across documents; CP must do the same.
 """
 
 from __future__ import annotations
 
+import ast
 import contextlib
+import functools
+import inspect
 import os
+import re
 import sys
+import textwrap
 from collections.abc import Callable
 
 import torch
@@ -85,6 +95,30 @@ class ModuleView:
         return getattr(object.__getattribute__(self, "_cp_module"), name)
 
 
+MASK_CALL = re.compile(r"(^|_)mask|mask_function")
+
+
+@functools.cache
+def masks_isolate_documents(base_model_class: type) -> bool:
+    """Whether `base_model_class.forward` hands `position_ids` to the function that builds its attention mask (a call
+    whose name says mask, or a `mask_kwargs` dict it unpacks into one): only then does a packed row's mask keep each
+    document to itself. A forward whose source cannot be read is taken to isolate them (transformers' usual way)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(base_model_class.forward)))
+    except (OSError, TypeError, SyntaxError):
+        return True
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            name = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", "")
+            if MASK_CALL.search(name) and any(k.arg == POSITION_IDS for k in node.keywords):
+                return True
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "mask_kwargs" for t in node.targets):
+            if isinstance(node.value, ast.Dict) and any(getattr(k, "value", None) == POSITION_IDS
+                                                        for k in node.value.keys):
+                return True
+    return False
+
+
 def model_config(module: torch.nn.Module):
     """The model's own config, behind an attention module's CP view of it."""
     config = module.config
@@ -109,12 +143,16 @@ def inner_attention(module: torch.nn.Module) -> Callable:
 
 def _cp_attention(module, query, key, value, attention_mask, **kwargs):
     binding = module._cpbench_attention
-    layout = kwargs.pop(LAYOUT_KWARG, None)
+    # The split hook hands the layout on in the layer's kwargs; a layer that does not pass its kwargs on to its
+    # attention (nemotron, stablelm) leaves it to the forward's state, which holds the same layout.
+    layout = kwargs.pop(LAYOUT_KWARG, None) or binding.state.layout
     if layout is None:
         raise RuntimeError(
             f"{type(module).__name__} has a CP attention style but its decoder layer has no split style: "
             "add the layer to `cp_plan` with 'cp_split_sequence'."
         )
+    if "_cpbench_calls" in module.__dict__:  # watched at its layer's first forward (families/mixers.py)
+        module._cpbench_calls += 1
     if binding.kernel_device is not None:  # only when set (projections): a custom style need not know it
         kwargs[KERNEL_DEVICE_KWARG] = binding.kernel_device
     return binding.style.fn(
@@ -124,7 +162,7 @@ def _cp_attention(module, query, key, value, attention_mask, **kwargs):
 
 
 def bind_attention(module: torch.nn.Module, binding) -> None:
-    """Routes `module`'s attention call through `binding` (a `.style` and a `.group`)."""
+    """Routes `module`'s attention call through `binding` (a `.style`, a `.group`, and the forward's `.state`)."""
     module._cpbench_attention = binding
     if not isinstance(module.config, AttentionConfigView):
         module.config = AttentionConfigView(module.config, CP_ATTENTION_KEY)

@@ -1,7 +1,8 @@
 """CP plans: the per-family defaults, overrides, and resolution into plain data.
 
 A plan maps module patterns (`*` for a layer number, as in `tp_plan`) to style names. The default base-model
-plan cuts the sequence at every decoder layer and runs Ulysses in every self-attention module. Resolution
+plan cuts the sequence at every decoder layer and runs Ulysses in every self-attention module; which family takes it,
+which its own plan, and which is refused is the audit's (cp/families/). Resolution
 turns a plan plus a model's module names into a `ResolvedPlan` without touching any process group, so it is
 unit-tested on its own.
 """
@@ -11,37 +12,16 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from cpbench.cp.families import table
 from cpbench.cp.styles import STYLES, AttentionStyle, SplitStyle, StyleRegistry
 
-DEFAULT_BASE_MODEL_CP_PLAN = {"layers.*": "cp_split_sequence", "layers.*.self_attn": "cp_ulysses"}
+DEFAULT_BASE_MODEL_CP_PLAN = table.DEFAULT_PLAN
 
-# model_type -> base-model plan, for the families checked against their modeling code. Others need an explicit
-# `cp_plan` (or `config.base_model_cp_plan`).
-FAMILY_CP_PLANS: dict[str, dict[str, str]] = {
-    "llama": DEFAULT_BASE_MODEL_CP_PLAN,
-    "mistral": DEFAULT_BASE_MODEL_CP_PLAN,
-    "qwen2": DEFAULT_BASE_MODEL_CP_PLAN,
-    "qwen3": DEFAULT_BASE_MODEL_CP_PLAN,
-    "gemma3_text": DEFAULT_BASE_MODEL_CP_PLAN,
-}
-
-# Families whose decoder layers take other full-sequence inputs (per-layer inputs, cross-attention states, KV
-# shared across layers): a sequence cut would silently break them, so they are refused even with a `cp_plan`.
-REFUSED_FAMILIES: dict[str, str] = {
-    "gemma3n": "its layers take per-layer inputs and share KV across layers",
-    "gemma4": "its layers take per-layer inputs and share KV across layers",
-    "beam": "its layers take full-sequence inputs besides hidden_states",
-    "ministral3": "its layers take full-sequence inputs besides hidden_states",
-}
-
-
-def refusal_reason(model_type: str) -> str | None:
-    """Why a family cannot be context-parallel, or None. Families derived from a refused one (e.g.
-    `gemma4_text`, `gemma3n_text`) are refused with it."""
-    for family, reason in REFUSED_FAMILIES.items():
-        if model_type == family or model_type.startswith(family + "_"):
-            return reason
-    return None
+# model_type -> base-model plan, for every family the audit of its modeling code found exact under CP (families/): the
+# default plan or the family's own. Others need an explicit `cp_plan` (or `config.base_model_cp_plan`), except the
+# refused ones (`refusal_reason`), which no plan makes exact.
+FAMILY_CP_PLANS: dict[str, dict[str, str]] = {name: table.base_plan(name) for name in table.supported()}
+refusal_reason = table.refusal_reason
 
 
 @dataclass(frozen=True)
@@ -59,7 +39,7 @@ class ResolvedPlan:
 
 def default_cp_plan(model_type: str, base_model_prefix: str, config_plan: dict | None = None) -> dict | None:
     """The model's full plan (keys prefixed like `model.cp_plan`), or None if the family has none."""
-    base = config_plan if config_plan is not None else FAMILY_CP_PLANS.get(model_type)
+    base = config_plan if config_plan is not None else table.base_plan(model_type)
     if base is None:
         return None
     prefix = f"{base_model_prefix}." if base_model_prefix else ""

@@ -23,16 +23,25 @@ from cpbench.cp.hf_compat import HIDDEN_STATES, LAYOUT_KWARG, POSITION_EMBEDDING
 from cpbench.cp.layout import SequenceLayout
 
 
-def full_length(args: tuple, kwargs: dict, cuts_input: bool) -> int:
+def full_length(args: tuple, kwargs: dict, cuts_input: bool, forward_len: int | None = None) -> int:
+    """The full sequence length a decoder layer works on: from its positions, its rotary tables, the hidden states
+    the first layer cuts, or (a layer called with none of them: gpt_bigcode, ctrl) the model forward in flight."""
     position_ids = kwargs.get(POSITION_IDS)
     if position_ids is not None:
         return position_ids.shape[-1]
     rotary = kwargs.get(POSITION_EMBEDDINGS)
     if rotary is not None:
-        return rotary[0].shape[-2]
+        return _tables(rotary)[0].shape[-2]
     if cuts_input:
         return _hidden(args, kwargs).shape[1]
+    if forward_len is not None:
+        return forward_len
     raise ValueError("cp_split_sequence: the decoder layer got neither `position_ids` nor `position_embeddings`.")
+
+
+def _tables(rotary) -> tuple[torch.Tensor, ...]:
+    """The rotary tables a model hands its layers: (cos, sin), or one complex `freqs_cis` tensor (deepseek_v2)."""
+    return (rotary,) if isinstance(rotary, torch.Tensor) else tuple(rotary)
 
 
 def _hidden(args: tuple, kwargs: dict) -> torch.Tensor:
@@ -50,17 +59,19 @@ class RotaryCuts:
     def __init__(self):
         self._cuts = WeakIdKeyDictionary()
 
-    def cut(self, rotary: tuple[torch.Tensor, ...], layout: SequenceLayout) -> tuple[torch.Tensor, ...]:
-        versions = tuple(t._version for t in rotary)  # an in-place change to the tables is a new table
-        hit = self._cuts.get(rotary[0])
+    def cut(self, rotary, layout: SequenceLayout):
+        """This rank's rows (dim -2) of the tables, in the form the model gave them: a tuple, or one tensor."""
+        tables = _tables(rotary)
+        versions = tuple(t._version for t in tables)  # an in-place change to the tables is a new table
+        hit = self._cuts.get(tables[0])
         if hit is not None:
             hit_layout, refs, hit_versions, cut = hit
-            same = len(refs) == len(rotary) and all(r() is t for r, t in zip(refs, rotary))
+            same = len(refs) == len(tables) and all(r() is t for r, t in zip(refs, tables))
             if same and hit_layout == layout and hit_versions == versions:
-                return cut
-        cut = tuple(layout.cut(t, dim=-2).clone(memory_format=torch.contiguous_format) for t in rotary)
-        self._cuts[rotary[0]] = (layout, tuple(weakref.ref(t) for t in rotary), versions, cut)
-        return cut
+                return cut[0] if isinstance(rotary, torch.Tensor) else cut
+        cut = tuple(layout.cut(t, dim=-2).clone(memory_format=torch.contiguous_format) for t in tables)
+        self._cuts[tables[0]] = (layout, tuple(weakref.ref(t) for t in tables), versions, cut)
+        return cut[0] if isinstance(rotary, torch.Tensor) else cut
 
 
 # Their base model's forward: `inputs_embeds = embed_tokens(input_ids)`, used for its shape, dtype and device only
@@ -127,7 +138,8 @@ def make_split_hook(cuts_input: bool, state, rotary_cuts: RotaryCuts, local_embe
     are shared by a model's layers."""
 
     def hook(module, args, kwargs):
-        layout = state.layout_for(full_length(args, kwargs, cuts_input))
+        forward_len = state.layout.seq_len if state.layout is not None else None
+        layout = state.layout_for(full_length(args, kwargs, cuts_input, forward_len))
         hidden = _hidden(args, kwargs) if cuts_input else None
         if cuts_input and not (local_embedding is not None and hidden.shape[1] == layout.local_len < layout.seq_len):
             # (a local embedding is this rank's slice already). A copy, not a view: a view would keep the whole

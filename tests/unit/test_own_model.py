@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from transformers import BertConfig, LlavaConfig, Phi3Config, Qwen3Config, T5Config
+from transformers import BertConfig, FalconH1Config, LlavaConfig, Phi3Config, Qwen3Config, T5Config
 
 from cpbench.harness.suite.presets import PRESETS, get_preset
 from cpbench.harness.suite.spec import load_suite
@@ -34,7 +34,7 @@ def test_a_config_file_or_its_directory_is_a_model(tmp_path):
     (BertConfig(), "is an encoder"),
     (T5Config(), "not a decoder-only causal LM"),
     (LlavaConfig(), "is a multimodal config"),
-    (Phi3Config(), "has no default CP plan.*DistributedConfig\\(cp_plan=...\\)"),
+    (FalconH1Config(), "cannot be context-parallel: Mamba-2 mixer in parallel with attention"),
 ])
 def test_configs_cpbench_cannot_run_are_refused_saying_why(tmp_path, config, why):
     config.save_pretrained(tmp_path / "m")
@@ -67,9 +67,20 @@ def test_the_new_presets_have_their_published_sizes():
 PHI3_PLAN = 'cp_plan = {"model.layers.*" = "cp_split_sequence", "model.layers.*.self_attn" = "cp_ulysses"}\n'
 
 
-def test_a_family_without_a_default_plan_runs_with_the_suites_cp_plan(tmp_path):
-    """Phi-3 has no default CP plan: with the suite's `cp_plan` its points exist, their model name carries the plan's
-    hash, each point's style goes on the plan's attention entries, and the step projects."""
+def test_a_family_the_audit_does_not_know_needs_a_plan_and_says_how_to_give_one(tmp_path, monkeypatch):
+    from cpbench.cp.families import table
+
+    known = dict(table.families())
+    del known["phi3"]  # as a family of a newer transformers would be
+    monkeypatch.setattr(table, "families", lambda: known)
+    Phi3Config().save_pretrained(tmp_path / "m")
+    with pytest.raises(SuiteErrors, match="has no default CP plan.*--cp-plan cp_ulysses.*DistributedConfig"):
+        _suite(str(tmp_path / "m"))
+
+
+def test_a_family_with_a_suite_cp_plan_runs_with_it(tmp_path):
+    """With the suite's `cp_plan` (here the default plan's shape, written out) the points exist, their model name
+    carries the plan's hash, each point's style goes on the plan's attention entries, and the step projects."""
     from cpbench.harness.project.projection import project_rank
 
     Phi3Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

@@ -84,9 +84,11 @@ def distribute(model: torch.nn.Module, point: Point, mesh=None, kernel_device: s
 def _parallelize(model, point: Point, mesh, kernel_device):
     import cpbench
 
+    from cpbench.cp.apply import model_cp_plan
+
     plan = None
-    if point.cp_style != NO_STYLE:  # the point's style on the attention entries (the suite's plan's, or the default's)
-        plan = dict(point.cp_plan)
+    if point.cp_style != NO_STYLE:  # the point's style on the attention entries (the suite's plan's, or the family's)
+        plan = dict(point.cp_plan) or model_cp_plan(model) or {}
         attention = [k for k, v in plan.items() if v != "cp_split_sequence"] or ["model.layers.*.self_attn"]
         plan.update(dict.fromkeys(attention, point.cp_style))
     config = cpbench.DistributedConfig(

@@ -85,6 +85,15 @@ PRESETS: dict[str, Preset] = {
             "Qwen/Qwen3-8B config.json",
         ),
         Preset(
+            "qwen3-30b-a3b", "qwen3_moe",
+            dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                 num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                 num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
+                 mlp_only_layers=[], router_aux_loss_coef=0.001, output_router_logits=False,
+                 max_position_embeddings=40960, rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=False),
+            "Qwen/Qwen3-30B-A3B config.json (128 experts, 8 per token: the MoE TRL trains at 1M tokens on 8 H100s)",
+        ),
+        Preset(
             "llama-3.1-70b", "llama",
             dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
                  num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=131072,
@@ -185,19 +194,60 @@ def _check_family(raw: dict, name: str) -> None:
 
 
 def check_has_plan(preset: Preset, cp_plan: dict, cp_sizes) -> None:
-    """A family without a default CP plan runs at cp > 1 only with the suite's `cp_plan` (or a config carrying
-    `base_model_cp_plan`)."""
-    from cpbench.cp.plan import FAMILY_CP_PLANS
+    """A family the audit does not know (cp/families/: every causal-LM family of the pinned transformers) runs at
+    cp > 1 only with the suite's `cp_plan` (or a config carrying `base_model_cp_plan`)."""
+    from cpbench.cp.families import table
 
-    if cp_plan or max(cp_sizes, default=1) <= 1 or preset.family in FAMILY_CP_PLANS or \
+    if cp_plan or max(cp_sizes, default=1) <= 1 or table.base_plan(preset.family) is not None or \
             preset.values.get("base_model_cp_plan"):
         return
     raise ValueError(
-        f"`model = {preset.name!r}`: the {preset.family} family has no default CP plan (cpbench has them for "
-        f"{sorted(FAMILY_CP_PLANS)}). Give the suite a `cp_plan` checked against its modeling code, e.g. cp_plan = "
-        '{"model.layers.*" = "cp_split_sequence", "model.layers.*.self_attn" = "cp_ulysses"} (each point puts its '
-        "own style on the attention entries); in a training loop, pass `DistributedConfig(cp_plan=...)`."
+        f"`model = {preset.name!r}`: the {preset.family} family has no default CP plan: it is not among the "
+        f"{len(table.families())} causal-LM families of transformers {table.TRANSFORMERS_AUDITED} whose modeling code "
+        "cpbench audited (docs/families.md). Give it a plan checked against its modeling code: `--cp-plan cp_ulysses` "
+        "(the default plan's shape: every `model.layers.*` cut, every `model.layers.*.self_attn` exchanging), a JSON "
+        'plan, or the suite\'s cp_plan = {"model.layers.*" = "cp_split_sequence", "model.layers.*.self_attn" = '
+        '"cp_ulysses"} (each point puts its own style on the attention entries); in a training loop, '
+        "`DistributedConfig(cp_plan=...)`."
     )
+
+
+def plan_from_flag(text: str, preset: Preset) -> dict:
+    """`--cp-plan`: a JSON plan (module pattern -> style), or a style name, which gives the default plan's shape
+    under the model's base-model prefix with that style on its attention entries."""
+    import json
+
+    from cpbench.cp.families import table
+    from cpbench.cp.styles import STYLES
+
+    text = text.strip()
+    if text.startswith("{"):
+        try:
+            plan = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--cp-plan {text!r}: not valid JSON ({e.msg} at column {e.colno}); write a JSON object "
+                             'such as \'{"model.layers.*": "cp_split_sequence", "model.layers.*.self_attn": '
+                             '"cp_ulysses"}\', or a style name.') from None
+        if not isinstance(plan, dict) or not all(isinstance(v, str) for v in (*plan, *plan.values())):
+            raise ValueError(f"--cp-plan {text!r}: give a JSON object of module pattern -> style name.")
+        return plan
+    if text not in STYLES.names():
+        raise ValueError(f"--cp-plan {text!r}: give a JSON plan or a registered style name ({STYLES.names()}).")
+    prefix = base_model_prefix(preset.family)
+    head = f"{prefix}." if prefix else ""
+    return {f"{head}{k}": (text if v != "cp_split_sequence" else v) for k, v in table.DEFAULT_PLAN.items()}
+
+
+def base_model_prefix(family: str) -> str:
+    """Where a family's causal LM keeps its base model (`model`, `transformer`, `gpt_neox`, ...): a plan's keys start
+    with it."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.for_model(family))]
+    except (KeyError, ValueError):
+        return "model"
+    return getattr(model_class, "base_model_prefix", "model") or ""
 
 
 def check_overrides(preset: Preset, overrides: dict) -> None:
