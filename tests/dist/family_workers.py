@@ -1,4 +1,4 @@
-"""Rank function of the family parity matrix: for each family, its tiny model (tests/family_configs.py) seeded alike on
+"""Rank function of the family parity matrix: for each family, its tiny model (cpbench/cp/families/tiny.py) seeded alike on
 every rank, the unsharded run of a copy of the same weights, then CP over the ranks with each style and batch kind.
 Plain numbers come back; tests/dist/test_families.py asserts on them."""
 
@@ -13,7 +13,7 @@ import torch.distributed as dist
 import cpbench
 from cpbench.cp.apply import model_cp_plan
 from tests.dist.models import full_grads
-from tests.family_configs import VOCAB, causal_lm_class, tiny_config
+from cpbench.cp.families.tiny import VOCAB, causal_lm_class, tiny_config
 
 SEQ = 24  # tokens per row: 3 documents when packed, and not a multiple of 4 (zigzag pads it)
 

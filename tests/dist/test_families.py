@@ -1,5 +1,5 @@
 """Parity across the model families CP serves (cpbench/cp/families/audit.toml): each family's tiny model
-(tests/family_configs.py: its own config class, shrunk, its features on) at cp 2 with Ulysses and the zigzag ring,
+(cpbench/cp/families/tiny.py: its own config class, shrunk, its features on) at cp 2 with Ulysses and the zigzag ring,
 plain and packed batches, against the unsharded run of the same weights: the loss (the router's aux loss included
 where the family has one), the gathered logits and every gradient.
 

@@ -35,3 +35,18 @@ def test_one_failed_rank_is_an_error_with_its_message_alone():
 def test_an_error_record_keeps_its_traceback_and_time():
     rec = _record(0, KeyError("x"), t=2.0)
     assert rec["status"] == "error" and "KeyError" in rec["traceback"] and rec["t"] == 2.0
+
+
+def test_a_rank_killed_without_a_record_leads_when_its_peers_only_lost_their_connection():
+    peer = _record(0, RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer"), t=5.0)
+    got = failure([peer], world_size=2)
+    assert got["message"].startswith("rank 1 died without a record (killed by a signal or by the OS")
+    assert got["message"].endswith("then rank 0: RuntimeError: [gloo/transport/tcp/pair.cc:537] Read error: "
+                                   "Connection reset by peer")
+
+
+def test_a_rank_that_raised_leads_the_peers_the_launcher_stopped():
+    cause = _record(1, RuntimeError("injected crash"), t=5.0)
+    got = failure([cause], world_size=4)  # ranks 0, 2, 3 were stopped by torchrun before they wrote anything
+    assert got["message"].startswith("rank 1: RuntimeError: injected crash (failed first); then rank 0, 2, 3 left no "
+                                     "record (stopped by the launcher)")

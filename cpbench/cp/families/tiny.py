@@ -1,7 +1,8 @@
-"""A tiny config of every family CP serves (cpbench/cp/families/audit.toml): the family's own config class, shrunk
-(2 layers, hidden 64, 4 heads over 2 kv heads of 16, vocab 128, 4 experts of which 2 per token, small MLA ranks, a
-sliding layer beside a full one where the family has both), with the family's features kept on: router aux loss,
-sinks, soft-capping, QK norms, partial rotary. Used by the family parity matrix (tests/dist/test_families.py)."""
+"""A tiny config of any causal-LM family: the family's own config class, shrunk (2 layers, hidden 64, 4 heads over 2
+kv heads of 16, vocab 128, 4 experts of which 2 per token, small MLA ranks, a sliding layer beside a full one where the
+family has both; a multimodal wrapper's sub-configs shrunk alike), with the family's features kept on: router aux
+loss, sinks, soft-capping, QK norms, partial rotary; randomness off (dropout, router jitter). What the automated audit
+builds every family from (audit.py), and the family parity matrix runs (tests/dist/test_families.py)."""
 
 from __future__ import annotations
 
