@@ -97,11 +97,15 @@ def _register_estimate(subparsers) -> None:
                             "the flag is given alone: tiles whose largest intermediate stays within 1 GiB)")
     quick.add_argument("--mixed-precision", action="store_true",
                        help="FSDP2 mixed precision: fp32 master weights, bf16 compute (--dtype bfloat16)")
+    est.add_argument("--cp-plan", default=None, metavar="JSON|STYLE", help=CP_PLAN_HELP)
     quick.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                        help="a model config value (repeatable), e.g. max_position_embeddings=1048576")
     est.set_defaults(func=estimate_command)
 
 
+CP_PLAN_HELP = ("the CP plan in place of the suite's: a JSON object of module pattern -> style, or a style name for the "
+                "default plan's shape under the model's prefix (every `layers.*` cut, every `layers.*.self_attn` "
+                "exchanging); for a family without a default plan (docs/families.md)")
 EXIT_CODES = ("Exit status: 1 when a point of the run is `error` or `timeout`, or a point's parity is `fail`; "
               "0 otherwise (`oom` and `skipped` points are results, not failures); 2 for a bad suite or arguments.")
 
@@ -116,6 +120,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--wait", action="store_true",
                    help="another process is writing the run: wait for it to finish, then go on (default: refuse, "
                         "naming that process)")
+    p.add_argument("--cp-plan", default=None, metavar="JSON|STYLE", help=CP_PLAN_HELP)
     p.add_argument("--memory-budget", default=None, help="e.g. 80GiB: a point whose peak passes it is `oom`")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--allow-faults", action="store_true",
@@ -127,7 +132,7 @@ def _options(args, only=()):
 
     return SweepOptions(suite=args.suite, out=args.out, run=args.run, resume=getattr(args, "resume", False),
                         memory_budget=args.memory_budget, allow_faults=args.allow_faults, only=tuple(only),
-                        progress=not args.no_progress, cluster=_cluster(args), wait=args.wait)
+                        progress=not args.no_progress, cluster=_cluster(args), wait=args.wait, cp_plan=args.cp_plan)
 
 
 def _cluster(args):
@@ -204,10 +209,12 @@ def sweep_command_for(args) -> int:
 def _quick_suite(args):
     from cpbench.harness.suite.spec import load_suite
 
+    from cpbench.harness.suite.suites import resolve_suite
+
     if args.suite is not None:
         if args.model is not None:
             raise ValueError("give a suite file or --model, not both")
-        return args.suite
+        return resolve_suite(args.suite, cp_plan=args.cp_plan)
     if args.model is None or args.seq is None:
         raise ValueError("give a suite file, or --model and --seq (e.g. --model qwen3-0.6b --seq 16384,32768)")
     # The run's name from the model's last path component: a path or hub id given as --model is not a name.
@@ -229,7 +236,12 @@ def _quick_suite(args):
     text = "\n".join(f"{k} = {_toml(v)}" for k, v in fields.items())
     if args.override:
         text += "\nmodel_overrides = {" + ", ".join(_override(o) for o in args.override) + "}"
-    return load_suite(f"--model {args.model}", text=text)
+    overrides = {}
+    if args.cp_plan is not None:
+        from cpbench.harness.suite.presets import get_preset, plan_from_flag
+
+        overrides["cp_plan"] = plan_from_flag(args.cp_plan, get_preset(args.model))
+    return load_suite(f"--model {args.model}", text=text, overrides=overrides)
 
 
 def _override(text: str) -> str:

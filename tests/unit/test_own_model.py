@@ -96,3 +96,34 @@ def test_a_family_with_a_suite_cp_plan_runs_with_it(tmp_path):
         load_suite("t.toml", text=text + 'cp_plan = {"model.layers.*" = "cp_split_sequence", "x" = "cp_nope"}\n')
     with pytest.raises(SuiteErrors, match="cp_plan.*needs a sequence split"):
         load_suite("t.toml", text=text + 'cp_plan = {"model.layers.*.self_attn" = "cp_ulysses"}\n')
+
+
+def test_cp_plan_from_the_command_line_is_a_json_plan_or_a_style_name():
+    from cpbench.harness.suite.presets import plan_from_flag
+
+    preset = get_preset("qwen3-0.6b")
+    assert plan_from_flag("cp_ring_zigzag", preset) == {"model.layers.*": "cp_split_sequence",
+                                                         "model.layers.*.self_attn": "cp_ring_zigzag"}
+    assert plan_from_flag('{"model.layers.*": "cp_split_sequence"}', preset) == {"model.layers.*": "cp_split_sequence"}
+    assert plan_from_flag("cp_ulysses", get_preset("tiny-qwen3"))["model.layers.*.self_attn"] == "cp_ulysses"
+    with pytest.raises(ValueError, match="not valid JSON"):
+        plan_from_flag('{"model.layers.*": ', preset)
+    with pytest.raises(ValueError, match="registered style name"):
+        plan_from_flag("cp_nope", preset)
+
+
+def test_estimate_runs_a_family_without_a_default_plan_one_flag_away(tmp_path, monkeypatch, capsys):
+    from cpbench.cli import main
+    from cpbench.cp.families import table
+
+    known = dict(table.families())
+    del known["phi3"]  # as a family the audit does not know
+    monkeypatch.setattr(table, "families", lambda: known)
+    Phi3Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, pad_token_id=0).save_pretrained(tmp_path / "phi")
+    argv = ["estimate", "--model", str(tmp_path / "phi"), "--seq", "64", "--cp", "2", "--styles", "cp_ring_zigzag",
+            "--device", "cpu", "--dtype", "float32", "--jobs", "1", "--out", str(tmp_path / "out")]
+    assert main(argv) == 2 and "--cp-plan cp_ulysses" in capsys.readouterr().err
+    assert main(argv + ["--cp-plan", "cp_ulysses"]) == 0
+    out = capsys.readouterr().out
+    assert "cp_ring_zigzag" in out and ": ok" in out  # each point's style on the plan's attention entries

@@ -37,6 +37,10 @@ def register(subparsers) -> None:
                       help="write each configuration that fits as a runnable suite file in this folder")
     plan.add_argument("--results", type=Path, default=Path("results"), help="results folder for the search's run")
     plan.add_argument("--jobs", type=int, default=2, help="projections side by side (default 2)")
+    plan.add_argument("--cp-plan", default=None, metavar="JSON|STYLE",
+                      help="the CP plan's shape for a family without a default plan (docs/families.md): a JSON object "
+                           "of module pattern -> style, or a style name for the default plan's shape; each searched "
+                           "configuration puts its own style on the attention entries")
     plan.set_defaults(func=plan_command)
 
     cal = subparsers.add_parser(
@@ -68,7 +72,12 @@ def plan_command(args) -> int:
 
     t0 = time.perf_counter()
     try:
-        opts = PlanOptions(model=args.model, seq=args.seq, gpus=args.gpus, gpu=args.gpu, nodes=args.nodes,
+        cp_plan = None
+        if args.cp_plan is not None:
+            from cpbench.harness.suite.presets import get_preset, plan_from_flag
+
+            cp_plan = plan_from_flag(args.cp_plan, get_preset(args.model))
+        opts = PlanOptions(cp_plan=cp_plan, model=args.model, seq=args.seq, gpus=args.gpus, gpu=args.gpu, nodes=args.nodes,
                            host_memory=args.host_memory, device_memory=args.device_memory, headroom=args.headroom,
                            styles=tuple(s.strip() for s in args.styles.split(",") if s.strip()),
                            attn=tuple(a.strip() for a in args.attn.split(",") if a.strip()),
@@ -121,10 +130,23 @@ def plan_table(best) -> str:
 
 def _config(r) -> str:
     return (f"DistributedConfig(fsdp_size={r['fsdp_size']}, cp_size={r['cp_size']}"
-            + (f", cp_plan={{'model.layers.*.self_attn': '{r['cp_style']}'}}" if r["cp_size"] > 1 else "")
+            + (f", cp_plan={_attention_entries(r)}" if r["cp_size"] > 1 else "")
             + (f", cp_ulysses_degree={r['cp_ulysses_degree']}" if r["cp_style"] == "cp_usp" else "")
             + (", fsdp_mixed_precision=True" if r["mixed_precision"] else "")
             + (", fsdp_cpu_offload=True" if r["offload_params"] else "") + ")")
+
+
+def _attention_entries(r) -> dict:
+    """The point's style on the attention entries of its plan (the suite's, or the family's from the audit)."""
+    import json
+
+    from cpbench.cp.families import table
+    from cpbench.harness.suite.presets import base_model_prefix
+
+    prefix = base_model_prefix(r["model_type"])
+    plan = json.loads(r["spec_json"]).get("cp_plan") or {
+        f"{prefix}.{k}" if prefix else k: v for k, v in (table.base_plan(r["model_type"]) or table.DEFAULT_PLAN).items()}
+    return {k: r["cp_style"] for k, v in plan.items() if v != "cp_split_sequence"}
 
 
 def _model_calls(r) -> list[str]:

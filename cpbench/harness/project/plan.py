@@ -62,6 +62,7 @@ class PlanOptions:
     out: Path = Path("results")
     run: str | None = None
     jobs: int = 2
+    cp_plan: dict | None = None  # --cp-plan, resolved (presets.plan_from_flag): for a family without a default plan
 
 
 def cp_sizes(gpus: int) -> list[int]:
@@ -109,6 +110,9 @@ def suite_text(opts: PlanOptions, attn: str, style: str, degree: int, cp: int, r
     lines = [f"{k} = {json.dumps(v)}" for k, v in fields.items()]
     if opts.overrides:
         lines.append("model_overrides = {" + ", ".join(f"{k} = {json.dumps(v)}" for k, v in opts.overrides.items())
+                     + "}")
+    if opts.cp_plan:
+        lines.append("cp_plan = {" + ", ".join(f"{json.dumps(k)} = {json.dumps(v)}" for k, v in opts.cp_plan.items())
                      + "}")
     return "\n".join(lines) + "\n"
 

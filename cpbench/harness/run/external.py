@@ -24,7 +24,7 @@ from cpbench.report.units import parse_bytes
 
 
 def run_external(args) -> int:
-    suite = resolve_suite(args.suite, allow_faults=args.allow_faults)
+    suite = resolve_suite(args.suite, allow_faults=args.allow_faults, cp_plan=args.cp_plan)
     by_id = {p.point_id: p for p in suite.points()}
     missing = [i for i in args.points if i not in by_id]
     if missing:

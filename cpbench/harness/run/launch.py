@@ -18,7 +18,7 @@ from pathlib import Path
 
 def worker_command(
     world_size: int, suite_ref: str, point_ids: list[str], records: Path, cache: Path,
-    budget: str | None, allow_faults: bool, rendezvous: list[str] | None = None,
+    budget: str | None, allow_faults: bool, cp_plan: str | None = None, rendezvous: list[str] | None = None,
 ) -> list[str]:
     """torch's launcher running the worker; `rendezvous`: its multi-node arguments (cluster.py), else one node."""
     nodes = rendezvous or ["--standalone", "--nnodes", "1", "--nproc-per-node", str(world_size)]
@@ -32,6 +32,8 @@ def worker_command(
         cmd += ["--memory-budget", budget]
     if allow_faults:
         cmd.append("--allow-faults")
+    if cp_plan is not None:
+        cmd += ["--cp-plan", cp_plan]
     return cmd
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -72,13 +73,23 @@ class LaunchRecords:
 def failure(records: list[dict], world_size: int | None = None) -> dict:
     """Status and detail of a point some ranks failed: the first rank to fail leads (its peers' errors, a closed
     connection in the collective they were waiting in, follow it); `oom` when any rank ran out of memory. Ranks that
-    left no record (of `world_size`) died without raising, which leads: a signal or the OS killed them."""
+    left no record (of `world_size`) died without raising: they lead where every recorded error is only a peer's
+    symptom (a signal or the OS killed them, and the others lost their connection); where a rank raised, the launcher
+    stopping its peers is what left them silent, and they follow."""
     records = sorted(records, key=lambda r: (r.get("t", 0.0), r["rank"]))
     status = "oom" if any(r["status"] == "oom" for r in records) else "error"
     silent = sorted(set(range(world_size or 0)) - {r["rank"] for r in records})
-    parts = [f"rank {r['rank']}: {r['message']}" for r in records]
+    causes = [r for r in records if not PEER_SYMPTOM.search(r["message"])]
+    parts = [f"rank {r['rank']}: {r['message']}" for r in causes + [r for r in records if r not in causes]]
     if silent:
-        parts.insert(0, f"rank {', '.join(map(str, silent))} died without a record (killed by a signal or by the OS, "
-                        "e.g. its out-of-memory killer; the launch log says which)")
+        note = (f"rank {', '.join(map(str, silent))} died without a record (killed by a signal or by the OS, e.g. its "
+                "out-of-memory killer; the launch log says which)" if not causes else
+                f"rank {', '.join(map(str, silent))} left no record (stopped by the launcher)")
+        parts.insert(0 if not causes else len(parts), note)
     message = parts[0] + (" (failed first); then " + "; ".join(parts[1:]) if len(parts) > 1 else "")
     return {"status": status, "message": message}
+
+
+# What a rank raises when a peer died under it: its collective's connection closed. A symptom, never the cause.
+PEER_SYMPTOM = re.compile(r"Connection reset by peer|Connection closed by peer|Broken pipe|gloo.*(Read|Write) error|"
+                          r"remote process exited|socket closed", re.IGNORECASE)

@@ -47,6 +47,7 @@ class SweepOptions:
     progress: bool = True
     cluster: ClusterOptions | None = None  # None: torch's launcher here; else one cluster job per launch
     wait: bool = False  # another process writes the run: wait for it (else refuse, naming it)
+    cp_plan: str | None = None  # --cp-plan: a JSON plan or a style name, in place of the suite's plan
 
 
 def pick_run_dir(suite_dir: Path, run: str | None, resume: bool) -> Path:
@@ -99,7 +100,7 @@ def failures(df) -> list[str]:
 
 def run_sweep(opts: SweepOptions) -> Path:
     """Runs (or finishes) a sweep; returns its run folder."""
-    suite = resolve_suite(opts.suite, allow_faults=opts.allow_faults)
+    suite = resolve_suite(opts.suite, allow_faults=opts.allow_faults, cp_plan=opts.cp_plan)
     points = [p for p in suite.points() if not opts.only or p.point_id in opts.only]
     unknown = sorted(set(opts.only) - {p.point_id for p in points})
     if unknown:
@@ -115,7 +116,7 @@ def run_sweep(opts: SweepOptions) -> Path:
         for world in sorted({p.world_size for p in points}):
             opts.cluster.shape(world)
     with writing(run_dir, opts.run, opts.resume, opts.wait, "sweep"):
-        sweep = _Sweep(run_dir, ctx, budget_text, suite_ref(opts.suite), opts.allow_faults, opts.cluster)
+        sweep = _Sweep(run_dir, ctx, budget_text, suite_ref(opts.suite), opts.allow_faults, opts.cluster, opts.cp_plan)
         done = store.finished_point_ids(run_dir)
         sweep.rules.learn(store.read_run(run_dir), points)
         pending = [p for p in points if p.point_id not in done]
@@ -159,9 +160,10 @@ class ResultsNotWritten(ValueError):
 
 class _Sweep:
     def __init__(self, run_dir: Path, ctx: dict, budget_text: str | None, ref: str, allow_faults: bool,
-                 cluster: ClusterOptions | None = None):
+                 cluster: ClusterOptions | None = None, cp_plan: str | None = None):
         self.run_dir, self.ctx, self.budget_text, self.ref, self.allow_faults = (
             run_dir, ctx, budget_text, ref, allow_faults)
+        self.cp_plan = cp_plan
         self.cluster = cluster
         self.rules = SkipRules()
         self.bar = None
@@ -205,7 +207,7 @@ class _Sweep:
     def _start(self, points: list[Point], folder: Path, log: Path, threads: int | None):
         world = points[0].world_size
         args = (world, self.ref, [p.point_id for p in points], folder, self.run_dir.parent / "cache",
-                self.budget_text, self.allow_faults)
+                self.budget_text, self.allow_faults, self.cp_plan)
         if self.cluster is None:
             return Launch(worker_command(*args), log, threads)
         nodes, per_node = self.cluster.shape(world)

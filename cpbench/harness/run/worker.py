@@ -193,11 +193,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache", type=Path, default=None, help="reference cache folder (default: RECORDS/../cache)")
     p.add_argument("--memory-budget", default=None)
     p.add_argument("--allow-faults", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--cp-plan", default=None, help="the sweep's --cp-plan (a JSON plan or a style name)")
     args = p.parse_args(argv)
     die_with_parent()  # a rank whose launcher died (its sweep killed with -9) stops too
     from cpbench.harness.suite.suites import resolve_suite
 
-    suite = resolve_suite(args.suite, allow_faults=args.allow_faults)
+    suite = resolve_suite(args.suite, allow_faults=args.allow_faults, cp_plan=args.cp_plan)
     by_id = {pt.point_id: pt for pt in suite.points()}
     missing = [i for i in args.points if i not in by_id]
     if missing:

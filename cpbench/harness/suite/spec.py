@@ -167,12 +167,15 @@ def key_hash(values: dict) -> str:
     return hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def load_suite(source: str | Path, *, text: str | None = None, allow_faults: bool = False) -> Suite:
-    """Reads and validates a suite file (or `text`, named `source`); every error of it is reported at once."""
+def load_suite(source: str | Path, *, text: str | None = None, allow_faults: bool = False,
+               overrides: dict | None = None) -> Suite:
+    """Reads and validates a suite file (or `text`, named `source`), with `overrides` (fields the command line sets,
+    e.g. `--cp-plan`) in place of the file's; every error of it is reported at once."""
     try:
         raw = tomllib.loads(text if text is not None else Path(source).read_text())
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"{source}: not valid TOML: {e} (fix the syntax at that line)") from None
+    raw.update(overrides or {})
     errors = []
     known = {f.name for f in fields(Suite)}
     unknown = sorted(set(raw) - known)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import tomllib
 from pathlib import Path
 
+from cpbench.harness.suite.presets import get_preset, plan_from_flag
 from cpbench.harness.suite.spec import Suite, load_suite
 
 DEFAULT = "default"
@@ -32,16 +34,27 @@ seed = 0
 """
 
 
-def resolve_suite(ref: str | Path | None, *, allow_faults: bool = False) -> Suite:
+def resolve_suite(ref: str | Path | None, *, allow_faults: bool = False, cp_plan: str | None = None) -> Suite:
+    """The suite `ref` names; `cp_plan` (the `--cp-plan` flag: a JSON plan or a style name) replaces its plan."""
     if ref is None or str(ref) == DEFAULT:
-        return load_suite("default-cpu.toml", text=DEFAULT_SUITE_TOML)
-    path = Path(ref)
-    if not path.exists():
-        raise ValueError(
-            f"suite {str(ref)!r} does not exist. Pass a suite file (e.g. suites/qwen3-0.6b-long.toml) or "
-            f"'{DEFAULT}' for the default CPU suite."
-        )
-    return load_suite(path, allow_faults=allow_faults)
+        source, text = "default-cpu.toml", DEFAULT_SUITE_TOML
+    else:
+        source = Path(ref)
+        if not source.exists():
+            raise ValueError(
+                f"suite {str(ref)!r} does not exist. Pass a suite file (e.g. suites/qwen3-0.6b-long.toml) or "
+                f"'{DEFAULT}' for the default CPU suite."
+            )
+        text = source.read_text()
+    overrides = {}
+    if cp_plan is not None:
+        try:
+            model = tomllib.loads(text).get("model")
+        except tomllib.TOMLDecodeError:
+            model = None  # load_suite says what is wrong with the file
+        if isinstance(model, str):
+            overrides["cp_plan"] = plan_from_flag(cp_plan, get_preset(model))
+    return load_suite(source, text=text, allow_faults=allow_faults, overrides=overrides)
 
 
 def suite_ref(ref: str | Path | None) -> str:
