@@ -60,7 +60,8 @@ def _row(rng, backend, cp, style, seq_len, oom_cp1_at, steps, noise, run_id) -> 
             "dtype": "float32", "device": "cpu", "keep_outputs": False,
             "loss_mode": "full", "activation_checkpointing": False, "mixed_precision": False,
             "level": "model", "implementation": "cpbench", "cp_ulysses_degree": 1, "recompute_every_n_layers": 1,
-            "offload_activations": False, "offload_params": False, "tiled_mlp": "off"}
+            "offload_activations": False, "offload_params": False, "tiled_mlp": "off", "documents": "none",
+            "compile": "off"}
     row = {name: None for name in ARROW_SCHEMA.names}
     row.update(spec)
     row.update(_identity(spec, run_id, steps))

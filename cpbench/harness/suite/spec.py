@@ -16,7 +16,7 @@ from pathlib import Path
 
 from cpbench.harness.suite.checks import NO_STYLE, SuiteErrors, err, validate
 from cpbench.harness.suite.levers import tiled_mlp_tiles
-from cpbench.report.runs.schema import KEY_COLUMNS
+from cpbench.report.runs.schema import DEFAULTS, KEY_COLUMNS
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -114,6 +114,8 @@ class Point:
     implementation: str = "cpbench"
     cp_ulysses_degree: int = 1
     cp_plan: dict = field(default_factory=dict)
+    documents: str = "none"  # "none", a shipped mix's name, or "lengths:<hash>" (schema `documents`)
+    compile: str = "off"  # torch.compile of each decoder layer: "off" or the mode
 
     @property
     def point_id(self) -> str:
@@ -148,12 +150,17 @@ class Point:
 
     @property
     def point_key(self) -> str:
-        return key_hash({c: getattr(self, c) for c in KEY_COLUMNS})
+        return key_hash(self._key_values())
 
     @property
     def family_key(self) -> str:
         """The point without its length: longer points of an out-of-memory family are skipped."""
-        return key_hash({c: getattr(self, c) for c in KEY_COLUMNS if c != "seq_len"})
+        return key_hash({c: v for c, v in self._key_values().items() if c != "seq_len"})
+
+    def _key_values(self) -> dict:
+        """The key columns, but those added since version 8 where they hold their default: a point that uses none of
+        them keeps the key it had (its reference cache, its records)."""
+        return {c: getattr(self, c) for c in KEY_COLUMNS if not (c in DEFAULTS and getattr(self, c) == DEFAULTS[c])}
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -20,7 +20,8 @@ import numpy as np
 import pyarrow as pa
 from hypothesis import strategies as st
 
-from .schema import ADDED_SINCE, COLUMNS, KEY_COLUMNS, MEASUREMENTS, PARITY_STATUSES, SCHEMA_VERSION, STATUSES
+from .schema import (ADDED_SINCE, COLUMNS, DEFAULTS, KEY_COLUMNS, MEASUREMENTS, PARITY_STATUSES, SCHEMA_VERSION,
+                     STATUSES)
 
 GIB = 1024**3
 STYLES = ("cp_ulysses", "cp_ring", "cp_ring_zigzag", "cp_usp")
@@ -49,13 +50,16 @@ KEY_VALUES = {
     "offload_activations": (False, True),
     "offload_params": (False, True),
     "tiled_mlp": ("off", "auto", "4"),
+    "documents": ("none", "long-sft", "lengths:0a1b2c"),
+    "compile": ("off", "default"),
 }
 # Columns a finished step fills (measured_row): memory, host, collectives, time, parity. An outcome row leaves them
 # empty. Named by prefix or name; anything else not written by `_spec`/`_identity` is generic.
 MEASURED = ("peak_bytes", "reserved_bytes", "alloc_retries", "device_peak_bytes", "rss_peak_bytes", "params_bytes",
             "grads_bytes", "optimizer_bytes", "activations_bytes", "temporaries_bytes", "host_", "d2h_bytes",
             "h2d_bytes", "comm_", "step_", "tokens_per_s", "tflops_per_s", "mfu", "num_params", "gpu_profile",
-            "projected_", "loss", "ref_loss", "loss_rel_err", "loss_rtol", "logits_max_err", "grad_", "logits_atol",
+            "projected_", "loss", "ref_loss", "loss_rel_err", "loss_rtol", "slowest_rank", "attention_",
+            "graph_breaks", "recompiles", "compile_s", "logits_max_err", "grad_", "logits_atol",
             "parity_reference")
 
 
@@ -68,7 +72,9 @@ def _is_measured_column(name: str) -> bool:
 def runs(draw, *, max_points: int = 120, measurement: str | None = None, schema_version: int = SCHEMA_VERSION):
     """A run's rows (dicts keyed by column, as `store.to_table` takes them): a grid of points over sequence lengths,
     cp sizes and any other key columns, each point with a status and what that status fills."""
-    grid = draw(_grids(max_points))
+    # a writer of an older version had no column for what was added since: those points hold the defaults
+    frozen = {c: DEFAULTS[c] for c in ADDED_SINCE.get(schema_version, ()) if c in DEFAULTS}
+    grid = draw(_grids(max_points, frozen))
     statuses = draw(st.lists(st.sampled_from(STATUSES), min_size=len(grid), max_size=len(grid)))
     kinds = [measurement] if measurement else draw(st.sampled_from([["measured"], ["projected"], list(MEASUREMENTS)]))
     seed = draw(st.integers(0, 2**32 - 1))
@@ -85,23 +91,23 @@ def runs(draw, *, max_points: int = 120, measurement: str | None = None, schema_
     return rows
 
 
-def v7_table(table: pa.Table) -> pa.Table:
-    """The same rows as a version-7 writer wrote them: without the columns added since, declared version 7."""
-    added = set(ADDED_SINCE[7])
+def older_table(table: pa.Table, version: int) -> pa.Table:
+    """The same rows as a writer of `version` wrote them: without the columns added since, declared that version."""
+    added = set(ADDED_SINCE[version])
     table = table.select([n for n in table.column_names if n not in added])
     table = table.set_column(table.column_names.index("schema_version"), "schema_version",
-                             pa.array([7] * len(table), pa.int32()))
-    return table.replace_schema_metadata({b"cpbench_schema_version": b"7"})
+                             pa.array([version] * len(table), pa.int32()))
+    return table.replace_schema_metadata({b"cpbench_schema_version": str(version).encode()})
 
 
 @st.composite
-def _grids(draw, max_points: int):
+def _grids(draw, max_points: int, frozen: dict):
     """The key columns' values of every point: lengths x cp sizes x styles x any other varying key columns."""
     seq_lens = draw(st.lists(st.sampled_from(KEY_VALUES["seq_len"]), min_size=1, max_size=6, unique=True))
     cps = draw(st.lists(st.sampled_from(KEY_VALUES["cp_size"]), min_size=1, max_size=3, unique=True))
     styles = draw(st.lists(st.sampled_from(STYLES), min_size=1, max_size=3, unique=True))
-    others = [c for c in KEY_COLUMNS if c not in ("seq_len", "cp_size", "cp_style")]
-    fixed = {c: draw(st.sampled_from(_pool(c))) for c in others}
+    others = [c for c in KEY_COLUMNS if c not in ("seq_len", "cp_size", "cp_style", *frozen)]
+    fixed = {**{c: draw(st.sampled_from(_pool(c))) for c in others}, **frozen}
     varied = draw(st.lists(st.sampled_from(others), max_size=3, unique=True))
     axes = {c: draw(st.lists(st.sampled_from(_pool(c)), min_size=2, max_size=3, unique=True)) for c in varied}
     grid = []
@@ -189,6 +195,15 @@ def _finished(rng, row: dict, world: int, kind: str, timed: bool) -> dict:
                    device_peak_bytes=peak + 2**29, device_peak_bytes_per_rank=[r + 2**29 for r in ranks])
     if rng.random() < 0.8:
         out.update(_host(rng, world))
+    if row["cp_size"] > 1 and rng.random() < 0.8:  # the attention work of each cp rank, and its spread
+        pairs = [int(v) for v in rng.integers(1, 10**12, size=row["cp_size"])]
+        out.update(attention_pairs=max(pairs), attention_pairs_per_rank=pairs,
+                   attention_imbalance=max(pairs) / (sum(pairs) / len(pairs)))
+    if row["device"] == "cuda" and rng.random() < 0.5:
+        out["attention_kernels"] = str(rng.choice(["cudnn:12,efficient:4", "flash:8", "fa3:16"]))
+    if row["compile"] != "off":
+        out.update(graph_breaks=int(rng.integers(0, 3)), recompiles=int(rng.integers(0, 2)),
+                   compile_s=float(rng.uniform(1, 120)))
     if rng.random() < 0.8:
         for op in ("all_gather", "reduce_scatter", "all_to_all", "p2p", "all_reduce"):
             out[f"comm_{op}_count"] = int(rng.integers(0, 500))
@@ -217,9 +232,11 @@ def _host(rng, world: int) -> dict:
 def _time(rng, row: dict, cuda: bool) -> dict:
     steps = sorted(float(v) for v in rng.lognormal(math.log(0.5), 0.3, size=row["measured_steps"]))
     median = float(np.median(steps))
+    per_rank = [median * float(f) for f in rng.uniform(0.8, 1.0, size=row["world_size"])]
     out = {"step_times_s": steps, "step_time_median_s": median, "step_time_p10_s": float(np.percentile(steps, 10)),
            "step_time_p90_s": float(np.percentile(steps, 90)),
-           "tokens_per_s": row["seq_len"] * row["batch_size"] / median}
+           "tokens_per_s": row["seq_len"] * row["batch_size"] / median, "step_time_per_rank_s": per_rank,
+           "slowest_rank": int(np.argmax(per_rank))}
     if cuda:
         out["tflops_per_s"] = row["flops_per_step"] / median / 1e12
         out["mfu"] = out["tflops_per_s"] / 989.0 if rng.random() < 0.8 else None
@@ -230,6 +247,7 @@ def _projected_time(rng, row: dict) -> dict:
     step = float(rng.lognormal(0, 2))
     parts = rng.dirichlet(np.ones(5)) * step
     return {"gpu_profile": str(rng.choice(["h100-sxm", "a100-sxm"])), "projected_step_s": step,
+            "projected_pricing": "fused" if row["compile"] != "off" else "eager",
             "projected_compute_s": float(parts[0]), "projected_optimizer_s": float(parts[1]),
             "projected_comm_exposed_s": float(parts[2]), "projected_transfer_exposed_s": float(parts[3]),
             "projected_overhead_s": float(parts[4]), "projected_comm_s": float(parts[2] * 2),

@@ -18,7 +18,11 @@ import pyarrow as pa
 # 7: host memory and transfers of the offload levers (`host_*`, `d2h_bytes`, `h2d_bytes`).
 # 8: a projection's time on a GPU profile (`gpu_profile`, `projected_*`). Only columns were added: a version 7
 #    file is read with them null (ADDED_SINCE).
-SCHEMA_VERSION = 8
+# 9: packed documents and how the attention work spreads over the ranks (`documents`, `attention_pairs_per_rank`,
+#    `attention_imbalance`, per-rank step times), the kernels the ring's tiles ran (`attention_kernels`), compiled
+#    steps (`compile`, `graph_breaks`, `recompiles`, `compile_s`, `projected_pricing`). Only columns were added: an
+#    older file is read with them null, or with DEFAULTS for the two that identify a point.
+SCHEMA_VERSION = 9
 MEASUREMENTS = ("measured", "projected")
 
 STATUSES = ("ok", "oom", "error", "timeout", "skipped")
@@ -60,6 +64,9 @@ COLUMNS: dict[str, tuple[pa.DataType, str]] = {
     "offload_activations": (pa.bool_(), "the recompute checkpoints held in (pinned) host memory"),
     "offload_params": (pa.bool_(), "FSDP2's CPUOffloadPolicy: parameters, gradients and optimizer state on the host"),
     "tiled_mlp": (pa.string(), "each decoder layer's MLP over tiles of the sequence: off | auto | the tile count"),
+    "documents": (pa.string(), "the packed documents of each row: none (batch_kind says plain, packed or padded as "
+                  "before), a shipped mix's name, or lengths:<hash> for lengths given (spec_json holds them)"),
+    "compile": (pa.string(), "torch.compile of each decoder layer: off, or the mode (default, max-autotune, ...)"),
     "cp_ulysses_degree": (pa.int32(), "cp_usp's Ulysses degree (ranks per Ulysses group; the ring spans cp_size / "
                           "degree groups); 1 for every other style"),
     "level": (pa.string(), "model (the training step) | attention (one causal attention op, forward + backward)"),
@@ -132,6 +139,20 @@ COLUMNS: dict[str, tuple[pa.DataType, str]] = {
                        "pairs the mask keeps (causal, documents, windows)"),
     "tflops_per_s": (pa.float64(), "achieved TFLOP/s per device (null on CPU)"),
     "mfu": (pa.float64(), "model FLOPs utilisation against the device's peak (null when unknown)"),
+    "step_time_per_rank_s": (_LIST_F64, "each rank's median step time (measured) or projected step (projected)"),
+    "slowest_rank": (pa.int64(), "the rank whose step is longest (the one that sets the step)"),
+    # how the attention work spreads over the cp ranks
+    "attention_pairs": (pa.int64(), "query-key pairs the busiest rank's attention computes in one forward of one "
+                        "layer, max over the cp ranks"),
+    "attention_pairs_per_rank": (_LIST_I64, "query-key pairs each rank's attention computes in one forward of one "
+                                 "layer (what its mask keeps: causal, documents, windows)"),
+    "attention_imbalance": (pa.float64(), "max / mean of attention_pairs_per_rank over the cp ranks (1: balanced)"),
+    "attention_kernels": (pa.string(), "the kernels the attention ran, with their tile counts, e.g. "
+                          "'cudnn:12,efficient:4' (null where the model's own attention call ran)"),
+    # torch.compile
+    "graph_breaks": (pa.int64(), "dynamo graph breaks in one compiled step, max over ranks (null: not compiled)"),
+    "recompiles": (pa.int64(), "recompilations after the first step, max over ranks (null: not compiled)"),
+    "compile_s": (pa.float64(), "the first step's compile time, max over ranks (kept out of the timed steps)"),
     # projected time (estimate --gpu: timing.py), the slowest projected rank
     "gpu_profile": (pa.string(), "the GPU profile a projection's time is priced on (a shipped name or a file's)"),
     "projected_step_s": (pa.float64(), "projected step time: the slowest rank's, every stream done"),
@@ -143,6 +164,8 @@ COLUMNS: dict[str, tuple[pa.DataType, str]] = {
     "projected_comm_s": (pa.float64(), "collectives' busy time, overlapped or not"),
     "projected_tokens_per_s": (pa.float64(), "tokens of the global batch per projected second"),
     "projected_mfu": (pa.float64(), "model FLOPs utilisation at the projected step time, against the profile's peak"),
+    "projected_pricing": (pa.string(), "how a projection priced the step: eager (each op) or fused (a compiled "
+                          "point's element-wise chains fused)"),
     # parity against the unsharded reference of the same weights and batch
     "parity_status": (pa.string(), "pass | fail | reference_oom | error | skipped"),
     "parity_detail": (pa.string(), "why parity is not pass, or null"),
@@ -173,7 +196,15 @@ COLUMNS: dict[str, tuple[pa.DataType, str]] = {
 }
 
 # version -> the columns added after it (a file of that version is read with them null)
-ADDED_SINCE = {7: [name for name in COLUMNS if name == "gpu_profile" or name.startswith("projected_")]}
+_V9 = ("documents", "compile", "step_time_per_rank_s", "slowest_rank", "attention_pairs", "attention_pairs_per_rank",
+       "attention_imbalance", "attention_kernels", "graph_breaks", "recompiles", "compile_s", "projected_pricing")
+ADDED_IN = {8: [name for name in COLUMNS if (name == "gpu_profile" or name.startswith("projected_"))
+                and name not in _V9],
+            9: list(_V9)}
+# version -> the columns added after it (a file of that version is read with them null, or with DEFAULTS)
+ADDED_SINCE = {v: [name for later, names in ADDED_IN.items() if later > v for name in names] for v in (7, 8)}
+# What an older file's rows had, for the added columns that identify a point: it holds no documents, no compile.
+DEFAULTS = {"documents": "none", "compile": "off"}
 
 ARROW_SCHEMA = pa.schema(
     [pa.field(name, typ) for name, (typ, _) in COLUMNS.items()],
@@ -185,7 +216,7 @@ KEY_COLUMNS = (
     "model", "seq_len", "batch_size", "batch_kind", "cp_size", "fsdp_size", "dp_replicate_size",
     "attn_implementation", "cp_style", "dtype", "device", "keep_outputs", "loss_mode", "activation_checkpointing",
     "mixed_precision", "level", "implementation", "cp_ulysses_degree", "recompute_every_n_layers",
-    "offload_activations", "offload_params", "tiled_mlp",
+    "offload_activations", "offload_params", "tiled_mlp", "documents", "compile",
 )
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .schema import ADDED_SINCE, ARROW_SCHEMA, COLUMNS, SCHEMA_VERSION
+from .schema import ADDED_SINCE, ARROW_SCHEMA, COLUMNS, DEFAULTS, SCHEMA_VERSION
 
 RUNS_FILE = "runs.parquet"
 POINTS_DIR = "points"  # the journal: one Parquet file per point, its row, written before the table
@@ -77,7 +77,9 @@ def in_schema(table: pa.Table, path: Path, *, allow_other_versions: bool = False
     if version.isdigit() and int(version) in ADDED_SINCE:  # an older file whose successors only added columns
         for name in ADDED_SINCE[int(version)]:
             if name not in table.column_names:
-                table = table.append_column(name, pa.nulls(len(table), COLUMNS[name][0]))
+                filled = pa.array([DEFAULTS[name]] * len(table), COLUMNS[name][0]) if name in DEFAULTS else \
+                    pa.nulls(len(table), COLUMNS[name][0])
+                table = table.append_column(name, filled)
         return table.select(list(COLUMNS)).cast(ARROW_SCHEMA)
     if version != str(SCHEMA_VERSION) and not allow_other_versions:
         raise ValueError(
