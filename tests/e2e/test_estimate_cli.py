@@ -139,3 +139,18 @@ def test_host_memory_is_a_capacity_too_and_max_seq_respects_it(tmp_path):
     assert rc == 0 and by_len.loc[256, "status"] == "ok" and by_len.loc[512, "status"] == "oom"
     assert by_len.loc[512, "status_detail"].startswith("host: a node's ranks hold")
     assert "device:" not in by_len.loc[512, "status_detail"]
+
+
+def test_an_moe_config_json_projects_with_no_plan_written_by_hand(tmp_path, capsys):
+    """A family outside the five that had a plan (qwen3_moe, as Qwen3-30B-A3B's published config.json): its audited
+    default plan applies; the experts and router run in the projected step."""
+    from transformers import Qwen3MoeConfig
+
+    Qwen3MoeConfig(vocab_size=128, hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_experts=4,
+                   num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                   head_dim=16).save_pretrained(tmp_path / "moe")
+    # as a GPU runs it (bf16 on CUDA: torch's meta function of the experts' grouped GEMM accepts bf16 only)
+    rc, df = _estimate(tmp_path, "--model", str(tmp_path / "moe"), "--seq", "128", "--cp", "2",
+                       "--styles", "cp_ulysses,cp_ring_zigzag")
+    assert rc == 0 and set(df["status"]) == {"ok"} and len(df) == 2, capsys.readouterr().err
+    assert set(df["model_type"]) == {"qwen3_moe"}
