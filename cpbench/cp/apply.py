@@ -21,6 +21,7 @@ from cpbench.cp.layout import SequenceLayout
 from cpbench.cp.loss.chunked import check_loss
 from cpbench.cp.mesh import CPDeviceMesh, build_mesh
 from cpbench.cp.plan import ResolvedPlan, attention_style, default_cp_plan, merge_plan, refusal_reason, resolve_plan
+from cpbench.cp.ring.target import kernel_target
 from cpbench.cp.split import LOCAL_EMBEDDING_FAMILIES, LocalEmbedding, RotaryCuts, make_split_hook
 from cpbench.cp.usp import usp_attention
 
@@ -29,7 +30,7 @@ from cpbench.cp.usp import usp_attention
 class AttentionBinding:
     style: object
     group: dist.ProcessGroup
-    kernel_device: str | None = None  # DistributedConfig.cp_kernel_device
+    kernel_target: object | None = None  # the GPU the kernels are chosen for (cp/ring/target.py), from the config
     state: ForwardState | None = None  # the forward in flight (its layout, for layers that drop their kwargs)
 
 
@@ -116,7 +117,7 @@ def apply_context_parallel(
         style = attention_style(style_name)
         groups = mesh.usp_groups if style.fn is usp_attention else group
         hf_compat.bind_attention(model.get_submodule(name),
-                                 AttentionBinding(style, groups, config.cp_kernel_device, state))
+                                 AttentionBinding(style, groups, _kernel_target(config), state))
     model.cp_attention_calls = AttentionCalls(model, plan.split_modules, plan.attention_modules, type(model).__name__)
     model.cp_plan = model_cp_plan(model, config)
     model.cp_resolved_plan = plan
@@ -126,6 +127,12 @@ def apply_context_parallel(
     model.cp_state = state
     model.generate = refuse_generate
     return model
+
+
+def _kernel_target(config: DistributedConfig):
+    """`DistributedConfig.cp_kernel_*` as the `KernelTarget` the styles receive (None: the tensors' device)."""
+    return kernel_target(config.cp_kernel_device, config.cp_kernel_capability, config.cp_kernel_cudnn_version,
+                         config.cp_sdpa_kernel)
 
 
 def _local_embedding(model: torch.nn.Module, state: ForwardState) -> LocalEmbedding | None:

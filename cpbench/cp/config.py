@@ -33,12 +33,23 @@ class DistributedConfig(HFDistributedConfig):
         cp_kernel_device: the device type ("cuda", "cpu") whose attention kernels the CP styles pick; None (the
             default) is the device of the tensors. A projection (`cpbench estimate`) runs a CUDA step on CPU fake
             tensors and sets "cuda", so that the kernels, and the memory they hold, are those CUDA would run.
+        cp_kernel_capability: the CUDA compute capability of the GPU the kernels are chosen for, e.g. (9, 0) for an
+            H100, (10, 0) for a B200 (default (8, 0), an A100): cuDNN's attention on Hopper and Blackwell,
+            FlashAttention-4 from Hopper on (docs/training-loop.md has the table). On a real GPU the device's own
+            capability decides.
+        cp_kernel_cudnn_version: the cuDNN of that GPU's torch, as torch.backends.cudnn.version() gives it (9.20.0 is
+            92000; default: the one torch's own CUDA wheels ship): SDPA prefers cuDNN from 9.15.1 on.
+        cp_sdpa_kernel: "cudnn", "flash" or "efficient" to force the kernel an sdpa model's ring tiles run (as
+            `cpbench estimate --sdpa-kernel`), or None (default) for the choice PyTorch's SDPA makes on the GPU.
     """
 
     cp_size: int | None = None
     cp_plan: dict[str, str | None] | None = None
     cp_ulysses_degree: int | None = None
     cp_kernel_device: str | None = None
+    cp_kernel_capability: tuple[int, int] | None = None
+    cp_kernel_cudnn_version: int | None = None
+    cp_sdpa_kernel: str | None = None
 
     def __post_init__(self):
         if self.cp_size is None:
@@ -59,9 +70,29 @@ class DistributedConfig(HFDistributedConfig):
             )
         if self.cp_kernel_device not in (None, "cpu", "cuda"):
             raise ValueError(f"`cp_kernel_device` must be None, 'cpu' or 'cuda', got {self.cp_kernel_device!r}.")
+        self._check_kernel_target()
         if self.cp_size > 1:  # before transformers' checks, whose messages don't know about cp
             self._refuse_unsupported_combinations()
         super().__post_init__()
+
+    def _check_kernel_target(self) -> None:
+        cap, cudnn, sdpa = self.cp_kernel_capability, self.cp_kernel_cudnn_version, self.cp_sdpa_kernel
+        if cap is not None:
+            if (not isinstance(cap, (tuple, list)) or len(cap) != 2
+                    or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in cap)):
+                raise ValueError(f"`cp_kernel_capability` must be a CUDA compute capability (major, minor), e.g. "
+                                 f"(9, 0) for an H100, got {cap!r}.")
+            self.cp_kernel_capability = tuple(cap)
+        if cudnn is not None and (not isinstance(cudnn, int) or isinstance(cudnn, bool) or cudnn < 0):
+            raise ValueError(f"`cp_kernel_cudnn_version` must be an integer as torch.backends.cudnn.version() gives it "
+                             f"(cuDNN 9.20.0 is 92000), got {cudnn!r}.")
+        if sdpa not in (None, "cudnn", "flash", "efficient"):
+            raise ValueError(f"`cp_sdpa_kernel` must be None, 'cudnn', 'flash' or 'efficient', got {sdpa!r}.")
+        named = [n for n in ("cp_kernel_capability", "cp_kernel_cudnn_version", "cp_sdpa_kernel") if getattr(self, n)
+                 is not None]
+        if named and self.cp_kernel_device == "cpu":
+            raise ValueError(f"`{named[0]}` names a CUDA GPU's kernels, but cp_kernel_device='cpu'; set "
+                             "cp_kernel_device='cuda' (or None on a GPU), or drop it.")
 
     def _refuse_unsupported_combinations(self) -> None:
         for name in ("pp_size", "tp_size", "ep_size"):

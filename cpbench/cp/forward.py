@@ -32,6 +32,10 @@ class ForwardState:
         # whose first one is the whole embedding
         self.local_embedding = True
         self.documents = True  # the model's mask isolates packed documents (set from its forward: hf_compat)
+        # a zigzag layout placed by the batch's documents ("documents"), or the plain zigzag ("sequence");
+        # set by `cpbench.cp.balance.use_balance`
+        self.balance = "documents"
+        self._last: SequenceLayout | None = None  # the latest forward's layout (what `model.cp_layout` returns)
 
     @contextlib.contextmanager
     def active(self, layout: SequenceLayout):
@@ -45,6 +49,18 @@ class ForwardState:
         """The forward's layout; a layer called outside the model's forward gets one without batch facts."""
         if self.layout is not None and self.layout.seq_len == seq_len:
             return self.layout
+        return self.make_layout(seq_len)
+
+    def forward_layout(self, seq_len: int, facts: BatchFacts) -> SequenceLayout:
+        """The layout of a forward: a zigzag one placed by the batch's documents (cp/balance.py), unless turned off."""
+        self._last = self.make_layout(seq_len, facts=facts).balanced(self.balance)
+        return self._last
+
+    def last_layout(self, seq_len: int) -> SequenceLayout:
+        """`model.cp_layout`: the layout of the latest forward of `seq_len` tokens (which the logits follow), else the
+        plain one."""
+        if self._last is not None and self._last.seq_len == seq_len:
+            return self._last
         return self.make_layout(seq_len)
 
 
@@ -78,6 +94,8 @@ def wrap_forward(model, state: ForwardState, group, *, causal_lm: bool):
     `group` None (a model without CP, for `use_loss`) the layout is the whole sequence and nothing is reduced."""
     forward = model.forward
     signature = inspect.signature(forward)
+    if group is not None:  # gather_sequence needs the forward's layout, which follows the batch's documents
+        model.cp_layout = state.last_layout
 
     @functools.wraps(forward)
     def cp_forward(input_ids=None, *args, labels=None, num_items_in_batch=None, **kwargs):
@@ -94,7 +112,7 @@ def wrap_forward(model, state: ForwardState, group, *, causal_lm: bool):
         # model); documents only where the model's own mask keeps them apart (hf_compat.masks_isolate_documents)
         positions = given.get("position_ids", kwargs.get("position_ids")) if state.documents else None
         facts = BatchFacts(seq_len, given.get("attention_mask"), positions)
-        layout = state.make_layout(seq_len, facts=facts)
+        layout = state.forward_layout(seq_len, facts)
         head = HeadInput(model, state.loss) if causal_lm and labels is not None and state.loss != "full" else None
         aux = router_aux(model, kwargs) if causal_lm else None  # turns the family's own (local) aux loss off
         router = RouterCapture(model) if aux is not None else None

@@ -62,7 +62,7 @@ HIDDEN_STATES = "hidden_states"
 POSITION_EMBEDDINGS = "position_embeddings"
 POSITION_IDS = "position_ids"
 LAYOUT_KWARG = "cp_layout"
-KERNEL_DEVICE_KWARG = "kernel_device"  # DistributedConfig.cp_kernel_device, handed to a style when set
+KERNEL_DEVICE_KWARG = "kernel_device"  # DistributedConfig.cp_kernel_* as a KernelTarget, handed to a style when set
 
 
 class AttentionConfigView:
@@ -153,8 +153,8 @@ def _cp_attention(module, query, key, value, attention_mask, **kwargs):
         )
     if "_cpbench_calls" in module.__dict__:  # watched at its layer's first forward (families/mixers.py)
         module._cpbench_calls += 1
-    if binding.kernel_device is not None:  # only when set (projections): a custom style need not know it
-        kwargs[KERNEL_DEVICE_KWARG] = binding.kernel_device
+    if binding.kernel_target is not None:  # only when set (projections): a custom style need not know it
+        kwargs[KERNEL_DEVICE_KWARG] = binding.kernel_target
     return binding.style.fn(
         module, query, key, value, attention_mask,
         inner=inner_attention(module), group=binding.group, layout=layout, **kwargs,

@@ -39,6 +39,9 @@ def _laid_out(recv_cbhsd: torch.Tensor, layout: SequenceLayout) -> torch.Tensor:
     cp, b, h, s, d = recv_cbhsd.shape
     if layout.kind == "contiguous":
         out = recv_cbhsd.permute(1, 2, 0, 3, 4).reshape(b, h, cp * s, d)
+    elif layout.placement is not None:  # a per-document placement (cp/balance.py): token by token, still one copy
+        where = layout.inverse_rank_order(recv_cbhsd.device)[: layout.seq_len]  # global -> place among the ranks'
+        return recv_cbhsd.permute(1, 2, 0, 3, 4)[:, :, where // s, where % s]
     else:
         n = layout.num_chunks // cp  # chunks per rank
         by_chunk = recv_cbhsd.reshape(cp, b, h, n, s // n, d).permute(1, 2, 0, 3, 4, 5)

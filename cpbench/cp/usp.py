@@ -6,7 +6,8 @@
 
 1. Ulysses inside the group: one all-to-all turns this rank's tokens x all heads into the group's tokens x
    heads / ulysses (kv heads fewer than the degree are replicated first, as `cp_ulysses` does). The layout
-   (`SequenceLayout` with `ulysses`) makes the group's tokens, in member order, the ring's zigzag slice.
+   (`SequenceLayout` with `ulysses`) makes the group's tokens, in member order, the ring's zigzag slice (on packed
+   documents, the ring's per-document placement: the ring is balanced as `cp_ring_zigzag` is, cp/balance.py).
 2. The ring over the ring group on those tokens and heads (`ring.ring_attention`, the same exact masks: packed,
    padded, sliding windows, mixed layers), with the zigzag layout of `ring` ranks.
 3. All-to-all back to this rank's tokens x all heads.
@@ -38,8 +39,8 @@ def usp_attention(module, query, key, value, attention_mask, *, inner, group, la
     q, k, v = _seq_to_heads([query, k_src, v_src], group.ulysses, gathered)
     if kwargs.get("s_aux") is not None:  # the ring reads the sinks from s_aux only (never module.sinks)
         kwargs["s_aux"] = heads_of(kwargs["s_aux"], member, u)
-    ring_layout = SequenceLayout(layout.seq_len, ring, ring_rank, "zigzag", pad_multiple=u, facts=layout.facts)
-    assert ring_layout.local_len == u * local, (ring_layout, layout)
+    ring_layout = layout.ring_view()  # the same padding and per-document placement (cp/balance.py)
+    assert (ring_layout.cp_size, ring_layout.rank, ring_layout.local_len) == (ring, ring_rank, u * local), layout
     out_bshd, _ = ring_attention(module, q, k, v, attention_mask, inner=inner, group=group.ring, layout=ring_layout,
                                  **kwargs)
     return _heads_to_seq(out_bshd.transpose(1, 2), group.ulysses, u).transpose(1, 2).contiguous(), None

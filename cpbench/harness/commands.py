@@ -98,6 +98,7 @@ def _register_estimate(subparsers) -> None:
     quick.add_argument("--mixed-precision", action="store_true",
                        help="FSDP2 mixed precision: fp32 master weights, bf16 compute (--dtype bfloat16)")
     est.add_argument("--cp-plan", default=None, metavar="JSON|STYLE", help=CP_PLAN_HELP)
+    est.add_argument("--documents", default=None, metavar="MIX|LENGTHS", help=DOCUMENTS_HELP)
     quick.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                        help="a model config value (repeatable), e.g. max_position_embeddings=1048576")
     est.set_defaults(func=estimate_command)
@@ -106,6 +107,9 @@ def _register_estimate(subparsers) -> None:
 CP_PLAN_HELP = ("the CP plan in place of the suite's: a JSON object of module pattern -> style, or a style name for the "
                 "default plan's shape under the model's prefix (every `layers.*` cut, every `layers.*.self_attn` "
                 "exchanging); for a family without a default plan (docs/families.md)")
+DOCUMENTS_HELP = ("packed documents in place of the suite's: a shipped mix (meta-128k, prolong-64k, llama3-sft, longalign, "
+                  "pile), or lengths summing to the sequence length, e.g. 50000,30000,51072 (pad:N for N padded "
+                  "tokens; rows separated by ';')")
 EXIT_CODES = ("Exit status: 1 when a point of the run is `error` or `timeout`, or a point's parity is `fail`; "
               "0 otherwise (`oom` and `skipped` points are results, not failures); 2 for a bad suite or arguments.")
 
@@ -121,6 +125,7 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="another process is writing the run: wait for it to finish, then go on (default: refuse, "
                         "naming that process)")
     p.add_argument("--cp-plan", default=None, metavar="JSON|STYLE", help=CP_PLAN_HELP)
+    p.add_argument("--documents", default=None, metavar="MIX|LENGTHS", help=DOCUMENTS_HELP)
     p.add_argument("--memory-budget", default=None, help="e.g. 80GiB: a point whose peak passes it is `oom`")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--allow-faults", action="store_true",
@@ -130,9 +135,24 @@ def _common(p: argparse.ArgumentParser) -> None:
 def _options(args, only=()):
     from cpbench.harness.run.sweep import SweepOptions
 
-    return SweepOptions(suite=args.suite, out=args.out, run=args.run, resume=getattr(args, "resume", False),
+    return SweepOptions(suite=_suite_with_documents(args), out=args.out, run=args.run, resume=getattr(args, "resume", False),
                         memory_budget=args.memory_budget, allow_faults=args.allow_faults, only=tuple(only),
                         progress=not args.no_progress, cluster=_cluster(args), wait=args.wait, cp_plan=args.cp_plan)
+
+
+def _suite_with_documents(args):
+    """The suite, or with `--documents` a copy of it that holds them (documents.suite_file_with)."""
+    if getattr(args, "documents", None) is None:
+        return args.suite
+    from cpbench.harness.suite import documents
+    from cpbench.harness.suite.suites import DEFAULT, DEFAULT_SUITE_TOML
+
+    default = args.suite is None or str(args.suite) == DEFAULT
+    if not default and not Path(args.suite).exists():
+        return args.suite  # resolve_suite says what is wrong
+    text = DEFAULT_SUITE_TOML if default else Path(args.suite).read_text()
+    return documents.suite_file_with(text, "default-cpu" if default else Path(args.suite).stem,
+                                     documents.parse(args.documents), args.out / ".suites")
 
 
 def _cluster(args):
@@ -184,6 +204,7 @@ def run_command(args) -> int:
     from cpbench.harness.run.external import run_external
 
     try:
+        args.suite = _suite_with_documents(args)
         return run_external(args)
     except ValueError as e:  # e.g. another process writes the run (lock.RunLocked)
         print(f"cpbench run: {e}", file=sys.stderr)
@@ -214,6 +235,8 @@ def _quick_suite(args):
     if args.suite is not None:
         if args.model is not None:
             raise ValueError("give a suite file or --model, not both")
+        if args.documents is not None:
+            return resolve_suite(_suite_with_documents(args), cp_plan=args.cp_plan)
         return resolve_suite(args.suite, cp_plan=args.cp_plan)
     if args.model is None or args.seq is None:
         raise ValueError("give a suite file, or --model and --seq (e.g. --model qwen3-0.6b --seq 16384,32768)")
@@ -241,6 +264,10 @@ def _quick_suite(args):
         from cpbench.harness.suite.presets import get_preset, plan_from_flag
 
         overrides["cp_plan"] = plan_from_flag(args.cp_plan, get_preset(args.model))
+    if args.documents is not None:
+        from cpbench.harness.suite import documents
+
+        overrides["documents"] = documents.parse(args.documents)
     return load_suite(f"--model {args.model}", text=text, overrides=overrides)
 
 

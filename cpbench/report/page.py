@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from . import plots, tables, units
+from . import balance, plots, tables, units
 from .compare import beside_projected
 from .derive import measurement_note, ratios_vs_cp1
 from .runs.load import run_label
@@ -23,7 +23,8 @@ td.bad{background:#fdd}td.oom{background:#ffe9c7}td.none{color:#888}img{max-widt
 FIGURE_TITLES = {"memory": "Peak memory per rank", "time": "Step time and throughput",
                  "scaling": "Speed-up and memory against cp=1", "memory_breakdown": "Memory breakdown",
                  "parity": "Parity errors against tolerance", "largest_fit": "Largest sequence length that fits",
-                 "peers": "CP implementations side by side"}
+                 "peers": "CP implementations side by side",
+                 "balance": "Attention work per cp rank on packed points"}
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,9 @@ def save_figures(frame: pd.DataFrame, out_dir: str | Path, capacity: float | Non
     if has_peers(frame):
         paths["peers"] = out_dir / "peers.png"
         peers_figure(frame).savefig(paths["peers"], dpi=100)
+    if not balance.packed_points(frame).empty:  # a run without packed points has no such figure to miss
+        paths["balance"] = out_dir / "balance.png"
+        balance.balance_figure(frame).savefig(paths["balance"], dpi=100)
     return paths, omitted
 
 

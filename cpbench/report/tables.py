@@ -12,6 +12,7 @@ import numpy as np
 import pandas as pd
 
 from . import units
+from .balance import imbalance_text, slowest_text
 from .derive import ordered_configs, with_config
 from .runs.match import check_unique
 
@@ -83,6 +84,8 @@ def _point_row(row: pd.Series, unit: tuple[int, str]) -> dict:
         "temporaries": units.in_unit(row.get("temporaries_bytes"), unit),
         "step median": units.ms(row["step_time_median_s"]),
         "step p10–p90": _spread(row),
+        "attention imbalance": imbalance_text(row),
+        "slowest rank": slowest_text(row),
         "tokens/s": units.sig(row["tokens_per_s"]),
         "parity": row["parity_status"] if isinstance(row["parity_status"], str) else "–",
         "loss rel err": units.sig(row["loss_rel_err"], 2),

@@ -3,17 +3,21 @@
 #   1. the opt-in GPU tests (`pytest -m gpu tests/gpu`): the ring's CUDA kernels on the real aten ops where their
 #      contracts bite (tests/gpu/test_ring_cuda_contracts.py: the efficient backward with the ring's saved output and
 #      GQA, a batch-1 mask at batch 2, an off-diagonal sliding-window varlen tile, head dims flash pads), every tile
-#      kind against the exact kernel, allocator/NVML probes and a CUDA sweep point;
+#      kind against the exact kernel, allocator/NVML probes and a CUDA sweep point; the new tiles
+#      (tests/gpu/test_ring_hopper_kernels.py): cuDNN's attention (the sdpa kernel on Hopper/Blackwell, forced on any
+#      sm80+ GPU), FlashAttention-3 and FlashAttention-4 where their packages are installed, each tile kind against
+#      the exact kernel; what was skipped, and why (a package not installed: the pip install), is printed (-rs);
 #      -> results/gpu/gpu-tests.xml (JUnit: each test's outcome and time), and the console log beside it;
-#   2. the Qwen3-0.6B reference suite (suites/qwen3-0.6b-long.toml: bf16, 16k and 32k tokens, cp 1 and 2, sdpa and
-#      flash_attention_2, cp_ulysses and cp_ring), then its report;
+#   2. the Qwen3-0.6B reference suite (suites/qwen3-0.6b-long.toml: bf16, 16k and 32k tokens, cp 1 and 2, sdpa,
+#      flash_attention_2 and flash_attention_3, cp_ulysses and cp_ring), then its report;
 #      -> results/gpu/qwen3-0.6b-long/<run>/runs.parquet (+ report.md/html, plots), the environment in every row.
 #
 # On a machine with ONE GPU the cp=2 points are SKIPPED, not run: their rows say `skipped` with why. Each rank
 # needs a GPU of its own: NCCL refuses two ranks on one device, and gloo (CPU-staged) has no all-to-all for
 # CUDA tensors (Ulysses) and would time PCIe copies rather than context parallelism. The cp=1 points run for
 # real (allocator peaks, NVML device peak, step times, TFLOP/s and MFU, projected parity against the unsharded
-# reference). flash_attention_2 points and tests run only where the flash-attn package is installed, else `skipped`.
+# reference). flash_attention_2/3 points and tests run only where their packages are installed, else `skipped`
+# with the install that brings them.
 # With two or more GPUs the same command runs the cp=2 points too (one GPU per rank, NCCL).
 #
 # Usage (repository root, an environment with cpbench installed):  bash results/gpu/run_gpu_checks.sh [--memory-budget 80GiB]
@@ -27,14 +31,21 @@ import torch
 if not torch.cuda.is_available():
     sys.exit("no CUDA device: run this on a GPU machine")
 print(f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}, torch {torch.__version__}, CUDA {torch.version.cuda}")
+from cpbench.cp.ring.target import resolve_target, sdpa_prefers_cudnn
+from cpbench.harness.run.skips import kernel_package_missing
+target = resolve_target(None, torch.empty(0, device="cuda"))
+print(f"{target.sm}, cuDNN {target.cudnn_version}: an sdpa model's ring tiles run "
+      f"{'cuDNN (SDPA prefers it here)' if sdpa_prefers_cudnn(target) else 'the flash kernel'}")
+for backend in ("flash_attention_2", "flash_attention_3", "flash_attention_4"):
+    print(f"{backend}: {kernel_package_missing(backend) or 'installed'}")
 PYEOF
 mkdir -p results/gpu
 tests=0
-timeout 180 "$PY" -m pytest -m gpu tests/gpu -q -p no:cacheprovider --junitxml results/gpu/gpu-tests.xml \
+timeout 240 "$PY" -m pytest -m gpu tests/gpu -q -rs -p no:cacheprovider --junitxml results/gpu/gpu-tests.xml \
     2>&1 | tee results/gpu/gpu-tests.log || tests=$?
-# 270 s for the sweep keeps the whole script within 8 minutes; finished points are kept if it is cut (--resume).
+# 210 s for the sweep keeps the whole script within 8 minutes; finished points are kept if it is cut (--resume).
 sweep=0
-timeout 270 "$PY" -m cpbench sweep suites/qwen3-0.6b-long.toml --out results/gpu --no-progress "$@" || sweep=$?
+timeout 210 "$PY" -m cpbench sweep suites/qwen3-0.6b-long.toml --out results/gpu --no-progress "$@" || sweep=$?
 run=$(ls -d results/gpu/qwen3-0.6b-long/2* 2>/dev/null | tail -1)
 if [ -n "$run" ]; then "$PY" -m cpbench report "$run"; fi
 if [ "$tests" -ne 0 ]; then exit "$tests"; fi

@@ -1,39 +1,95 @@
 #!/usr/bin/env bash
-# Projects every published measurement of results/published/measurements.toml on its GPU profile (the shipped
-# one: its efficiencies come from kernel papers, never from these runs), then writes table.md beside it.
-# From the repository root: bash results/published/run.sh   (about 25 minutes on 2 cores; ONLY=<name> runs one)
+# Projects every published measurement of results/published/measurements.toml, and every side-by-side comparison of
+# orderings.toml, on its GPU profile (a shipped one: its efficiencies come from kernel papers and tables, never from
+# these runs), then writes table.md beside it.
+# From the repository root: bash results/published/run.sh   (about an hour on 2 cores; ONLY=<name> runs one;
+# KEEP=1 keeps the runs already there)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PYTHON:-.venv/bin/python}
 OUT=results/published/runs
+MODELS=results/published/models
 est() {
   name=$1; shift
   if [ -n "${ONLY:-}" ] && [ "$ONLY" != "$name" ]; then return; fi
+  if [ -n "${KEEP:-}" ] && ls "$OUT"/*/"$name"/runs.parquet >/dev/null 2>&1; then return; fi
   rm -rf "$OUT"/*/"$name"
-  "$PY" -m cpbench estimate --out "$OUT" --run-name "$name" --jobs 2 --mixed-precision "$@"
+  echo "== $name" >&2
+  "$PY" -m cpbench estimate --out "$OUT" --run-name "$name" --jobs 2 "$@" >/dev/null
 }
-# TRL, Qwen3-8B and Qwen3-0.6B at 1,048,576 tokens on 8 x H100: FSDP2 + CP 8 (torch's ring, its tiles through SDPA:
-# cuDNN on H100 with torch 2.11), recompute with offload, chunked NLL. cpbench's Ulysses runs the same SDPA kernel
-# (its communication is under 1 % of the step); cpbench's zigzag ring, whose tiles call the flash kernel, beside it.
-TRL="--override max_position_embeddings=1048576 --seq 1048576 --cp 8 --world-size 8 --recompute --offload-activations"
-est trl-qwen3-8b-1m --model qwen3-8b $TRL --styles cp_ulysses --loss chunked --gpu h100-sxm
-est trl-qwen3-8b-1m-ring --model qwen3-8b $TRL --styles cp_ring_zigzag --loss chunked --gpu h100-sxm
-est trl-qwen3-0.6b-1m --model qwen3-0.6b $TRL --styles cp_ulysses --loss chunked --gpu h100-sxm
-# ALST (Snowflake), Llama-3.1-8B, Ulysses over 8 H100s: 1.1M with recompute, tiled loss, optimizer offload; 3.7M with
-# everything (tiled MLP, checkpoint offload); 15M on 4 nodes. Their attention is flash-attn 2: --sdpa-kernel flash
-est alst-llama-1.1m --model llama-3-8b --override max_position_embeddings=16777216 --seq 1100000 --cp 8 \
-  --world-size 8 --styles cp_ulysses --recompute --loss chunked --offload-params --gpu h100-sxm --sdpa-kernel flash
-est alst-llama-3.7m --model llama-3-8b --override max_position_embeddings=16777216 --seq 3700000 --cp 8 \
-  --world-size 8 --styles cp_ulysses --recompute --loss chunked --offload-params --offload-activations --tiled-mlp \
-  --gpu h100-sxm --sdpa-kernel flash
-est alst-llama-15m --model llama-3-8b --override max_position_embeddings=16777216 --seq 15000000 --cp 32 \
-  --world-size 32 --styles cp_ulysses --recompute --loss chunked --offload-params --offload-activations --tiled-mlp \
-  --gpu h100-sxm --sdpa-kernel flash
-# torchtitan, Llama 3.1 8B, FSDP over 8 H100s, 8192 tokens, local batch 2 (selective AC: recompute every 2nd layer);
-# torch of December 2024, whose SDPA took the flash kernel (cuDNN was opt-in); their cards hold 95 GiB
-est titan-llama-8b-h100 --model llama-3-8b --seq 8192 --cp 1 --world-size 8 --recompute --recompute-every 2 \
-  --batch-size 2 --gpu h100-sxm --sdpa-kernel flash --device-memory 95GiB
-# torchtitan, Llama 3 8B, FSDP over 64 A100s (8 nodes), 8192 tokens, local batch 1, selective layer AC
-est titan-llama-8b-a100 --model llama-3-8b --seq 8192 --cp 1 --world-size 64 --recompute --recompute-every 2 \
-  --gpu a100-sxm
+# A model calling FlashAttention-3 itself (transformers' flash_attention_3) runs as SDPA in a projection and is priced
+# as FlashAttention-3: the H200 profile with that kernel (`estimate --sdpa-kernel` names torch's kernels only).
+mkdir -p results/published/profiles
+"$PY" -c "import dataclasses; from cpbench.harness.project.hardware import load
+print(dataclasses.replace(load('h200'), name='h200-fa3', title='NVIDIA H200 SXM 141GB, a model calling FlashAttention-3',
+                          sdpa_kernel='fa3').to_toml())" > results/published/profiles/h200-fa3.toml
+H200_FA3=results/published/profiles/h200-fa3.toml
+
+# --- TRL (PR #6845 / #6846), FSDP2 + CP over every GPU (torch's ring, its tiles through SDPA: cuDNN on H100 with
+# torch 2.11), recompute with offload, chunked NLL. cpbench's Ulysses runs the same SDPA kernel on the whole sequence
+# (its communication is a few % of these steps); cpbench's zigzag ring beside it at Qwen3-8B 1M. The model and AdamW
+# in bf16 (no fp32 master weights): Qwen3-30B-A3B's measured 46.0 GB could not hold fp32 ones (61 GB of state alone).
+TRL="--recompute --offload-activations --loss chunked --gpu h100-sxm"  # bf16 parameters and AdamW state
+est trl-qwen3-8b-1m --model qwen3-8b --override max_position_embeddings=1048576 --seq 1048576 --cp 8 --world-size 8 \
+  --styles cp_ulysses $TRL
+est trl-qwen3-8b-1m-ring --model qwen3-8b --override max_position_embeddings=1048576 --seq 1048576 --cp 8 \
+  --world-size 8 --styles cp_ring_zigzag $TRL
+est trl-qwen3-0.6b-1m --model qwen3-0.6b --override max_position_embeddings=1048576 --seq 1048576 --cp 8 \
+  --world-size 8 --styles cp_ulysses $TRL
+est trl-qwen3-30b-a3b-1m --model qwen3-30b-a3b --override max_position_embeddings=1048576 --seq 1048576 --cp 8 \
+  --world-size 8 --styles cp_ulysses $TRL
+est trl-qwen3-32b-1m --model $MODELS/qwen3-32b --override max_position_embeddings=1048576 --seq 1048576 --cp 8 \
+  --world-size 8 --styles cp_ulysses $TRL
+est trl-qwen3-0.6b-4m --model qwen3-0.6b --override max_position_embeddings=4194304 --seq 4194304 --cp 8 \
+  --world-size 8 --styles cp_ulysses $TRL
+est trl-qwen3-8b-2m --model qwen3-8b --override max_position_embeddings=2097152 --seq 2097152 --cp 16 \
+  --world-size 16 --gpus-per-node 8 --styles cp_ulysses $TRL
+est trl-qwen3-8b-4m --model qwen3-8b --override max_position_embeddings=4194304 --seq 4194304 --cp 32 \
+  --world-size 32 --gpus-per-node 8 --styles cp_ulysses $TRL
+
+# --- ALST (Snowflake), Llama-3.1-8B, Ulysses over 8 H100s: 1.1M with recompute, tiled loss, optimizer offload; 3.7M
+# with everything (tiled MLP, checkpoint offload); 15M on 4 nodes. Their attention is flash-attn 2: --sdpa-kernel flash
+ALST="--model llama-3-8b --override max_position_embeddings=16777216 --styles cp_ulysses --recompute --loss chunked"
+ALST="$ALST --offload-params --gpu h100-sxm --sdpa-kernel flash"
+est alst-llama-1.1m $ALST --seq 1100000 --cp 8 --world-size 8
+est alst-llama-3.7m $ALST --seq 3700000 --cp 8 --world-size 8 --offload-activations --tiled-mlp
+est alst-llama-15m $ALST --seq 15000000 --cp 32 --world-size 32 --offload-activations --tiled-mlp
+
+# --- torchtitan, Llama 3.1 8B, FSDP, 8192 tokens, local batch 2, selective (op) AC: cpbench recomputes every 2nd
+# layer. Torch of December 2024: SDPA took the flash kernel (cuDNN was opt-in). Their H100s: 96 GB HBM2e at 500 W.
+TITAN="--model llama-3-8b --seq 8192 --cp 1 --recompute --recompute-every 2 --batch-size 2 --mixed-precision"
+est titan-llama-8b-h100 $TITAN --world-size 8 --gpu h100-hbm2e-500w --sdpa-kernel flash
+est titan-llama-8b-h100-128 $TITAN --world-size 128 --gpu h100-hbm2e-500w --sdpa-kernel flash
+# torchtitan, Llama 3 8B and 70B on 64 A100s (8 nodes), 8192 tokens, local batch 1; and the 8B on one 8 x A100 node
+# (PR #355's logs, foreach AdamW)
+A100="--seq 8192 --cp 1 --mixed-precision --gpu a100-sxm"
+est titan-llama-8b-a100 --model llama-3-8b $A100 --world-size 64 --recompute --recompute-every 2
+est titan-llama-70b-a100 --model llama-3.1-70b $A100 --world-size 64 --recompute
+est titan-pr355-llama-8b-a100 --model llama-3-8b $A100 --world-size 8 --recompute --recompute-every 2
+
+# --- ml-engineering (stas00), HF transformers, eager, bf16, 1 sequence per GPU.
+# 8 x H200, Llama-3.1-8B at 8k, DeepSpeed ZeRO-2, FlashAttention-3, no recompute, no offload
+est mleng-h200-8b-8k --model llama-3-8b --seq 8192 --cp 1 --world-size 8 --mixed-precision --gpu "$H200_FA3"
+# the same, ZeRO-3 with the optimizer on the host, recompute, Liger: cpbench offloads the parameters too
+for seq in 8192 32768 65536; do
+  est "mleng-h200-8b-offload-$((seq / 1024))k" --model llama-3-8b --seq "$seq" --cp 1 --world-size 8 --mixed-precision \
+    --recompute --offload-params --loss chunked --gpu "$H200_FA3"
+done
+# 1 x B200, torch 2.13, the model and AdamW in bf16 (no master weights), gradient checkpointing, SDPA (cuDNN there)
+est mleng-b200-1b-512 --model $MODELS/llama-3.2-1b --seq 512 --cp 1 --world-size 1 --recompute --gpu b200
+est mleng-b200-8b-8k --model llama-3-8b --seq 8192 --cp 1 --world-size 1 --recompute --gpu b200
+
+# --- side by side (orderings.toml): torchtitan's CP table (32k tokens per GPU at cp 1..8; torch's ring, flash or
+# memory-efficient tiles) and USP's comparison of Ulysses, the zigzag ring and the plain ring (8 x A100, 32 heads)
+for cp in 1 2 4 8; do
+  seq=$((32768 * cp))
+  est "titan-cp-$cp" --model llama-3-8b --seq "$seq" --cp "$cp" --world-size 8 --styles cp_ring_zigzag --recompute \
+    --mixed-precision --gpu h100-hbm2e-500w --sdpa-kernel flash --override max_position_embeddings=262144
+done
+for seq in 32768 131072; do
+  for style in cp_ulysses cp_ring_zigzag cp_ring; do
+    est "usp-$((seq / 1024))k-$style" --model llama-3-8b --seq "$seq" --cp 8 --world-size 8 --styles "$style" \
+      --recompute --mixed-precision --gpu a100-sxm
+  done
+done
 "$PY" results/published/table.py

@@ -35,13 +35,12 @@ def batch_for(kind: str) -> dict:
 
 
 def compare(model, batch: dict, ref: dict, layout_kind: str) -> dict:
-    import torch.distributed as dist
-
-    import cpbench
-
-    seq = batch["input_ids"].shape[1]
-    return compare_layout(model, batch, ref, cpbench.SequenceLayout(seq, CP, dist.get_rank(model.cp_group),
-                                                                      layout_kind))
+    """`compare_layout` with the model's own layout of the forward (a zigzag one placed by the batch's documents),
+    which must be of the style's kind."""
+    errs = compare_layout(model, batch, ref)
+    layout = model.cp_layout(batch["input_ids"].shape[1])
+    assert (layout.kind, layout.cp_size) == (layout_kind, CP), layout
+    return errs
 
 
 def compare_layout(model, batch: dict, ref: dict, layout=None) -> dict:

@@ -34,9 +34,10 @@ def test_plan_ranks_the_configurations_that_fit_and_writes_runnable_suites(tmp_p
     assert set(df["measurement"]) == {"projected"} and df["projected_step_s"].notna().all()
     ok = df[df["status"] == "ok"]
     assert (ok["peak_bytes"] <= CAPACITY).all() and (df[df["status"] == "oom"]["peak_bytes"] > CAPACITY).all()
-    # cp 1 without levers is over the capacity; the ladder went on to recompute + chunked loss, which fits
-    cp1 = df[df["cp_size"] == 1].set_index("activation_checkpointing")
-    assert cp1.loc[False, "status"] == "oom" and cp1.loc[True, "status"] == "ok"
+    # cp 1 without levers is over the capacity, and with the chunked loss alone; recompute + chunked loss fits
+    cp1 = df[df["cp_size"] == 1]
+    assert list(zip(cp1["activation_checkpointing"], cp1["loss_mode"], cp1["status"])) == [
+        (False, "full", "oom"), (False, "chunked", "oom"), (True, "chunked", "ok")]
     assert (df[df["cp_size"] > 1]["activation_checkpointing"] == False).all()  # noqa: E712 - the first rung fit
     # the printed ranking: tokens/s per GPU, fastest first, every fitting configuration once
     speeds = [float(m) for m in re.findall(r"(\S+)\s+\d+\.\d%\s+DistributedConfig\(", out)]
@@ -55,42 +56,81 @@ def test_the_floor_of_a_rung_is_what_every_layer_must_hold():
     config = get_preset("llama-3-8b").config({})
     tokens, h, layers, vocab = 131072, 4096, 32, config.vocab_size
     assert floor_bytes(config, tokens, RUNGS[0]) == layers * tokens * h * 2 * 4 + tokens * vocab * 4
-    assert floor_bytes(config, tokens, RUNGS[1]) == layers * tokens * h * 2  # checkpoints; the loss is chunked
-    assert floor_bytes(config, tokens, RUNGS[2]) == 0  # the checkpoints live on the host
+    assert floor_bytes(config, tokens, RUNGS[1]) == layers * tokens * h * 2 * 4  # the chunked loss alone
+    assert floor_bytes(config, tokens, RUNGS[2]) == layers * tokens * h * 2  # checkpoints; the loss is chunked
+    assert floor_bytes(config, tokens, RUNGS[3]) == 0  # the checkpoints live on the host
 
 
-def _row(status: str, step: float = 1.0, compute: float = 0.9):
-    return {"status": status, "projected_tokens_per_s": 8192 / step, "projected_step_s": step,
-            "projected_compute_s": compute, "projected_optimizer_s": 0.0}
+def _row(status: str, step: float = 1.0, floor: float | None = None):
+    return {"status": status, "projected_tokens_per_s": 8192 / step, "projected_step_s": step, "floor_s": floor}
 
 
-def test_the_search_starts_a_smaller_cp_at_the_rung_the_larger_needed_and_prunes_what_cannot_win():
+def _drive(chain, rows, first=None):
+    """Sends a configuration's rows (one per rung tried); returns the points it asked for (`first`: the point it
+    already asked for)."""
+    points = [first or next(chain)]
+    for row in rows:
+        try:
+            points.append(chain.send(row))
+        except StopIteration:
+            return points
+    raise AssertionError("the chain asked for more rungs than given")
+
+
+ULYSSES, RING, USP = ("sdpa", "cp_ulysses", 1), ("sdpa", "cp_ring_zigzag", 1), ("sdpa", "cp_usp", 2)
+
+
+def test_the_search_goes_by_levels_and_prunes_only_by_finished_ones():
     opts = PlanOptions(model="tiny-llama", seq=8192, gpus=4, gpu="h100-sxm")
     search = Search(opts, capacity=1 << 40, config=get_preset("tiny-llama").config({}))
-    chain = search.chain("sdpa", "cp_ulysses", 1)
-    point = next(chain)
-    assert (point.cp_size, point.activation_checkpointing) == (4, False)
-    point = chain.send(_row("oom"))
-    assert (point.cp_size, point.activation_checkpointing, point.offload_activations) == (4, True, False)
-    point = chain.send(_row("ok", step=1.0, compute=0.5))  # cp 4 fits at rung 1; half its step is communication
-    assert (point.cp_size, point.activation_checkpointing) == (2, True)  # cp 2 starts at rung 1, not at none
-    # cp 2 fits, its compute 0.99 of its step: cp 1 could not beat the best (cp 2's 8192 tok/s) by 2 %
-    with pytest.raises(StopIteration):
-        chain.send(_row("ok", step=1.0 / 4, compute=0.99 / 4))
-    assert search.best == pytest.approx(8192 * 4 / 4)
-    assert any("cp <= 1" in p and "not 2 % above the best" in p for p in search.pruned)
-    # USP's attention is the zigzag ring's: once the ring's bound is not above the best, no USP point is projected
+    ulysses, ring = search.level(4, [ULYSSES, RING])
+    points = _drive(ulysses, [_row("oom"), _row("oom"), _row("ok", step=1.0, floor=0.5)])
+    assert [(p.cp_size, p.activation_checkpointing, p.loss_mode) for p in points] == [
+        (4, False, "full"), (4, False, "chunked"), (4, True, "chunked")]
+    _drive(ring, [_row("error")])  # a projection that failed at cp 4 does not end the smaller cps
+    assert search.best == 0.0  # nothing is decided while a level runs
+    search.finish_level()
+    assert search.best == pytest.approx(8192 / 4) and search.bound[ULYSSES] == pytest.approx(2 * 8192 / 4)
+    ulysses, ring = search.level(2, [ULYSSES, RING])
+    first_ulysses, first_ring = next(ulysses), next(ring)
+    assert first_ulysses.activation_checkpointing and first_ring.loss_mode == "full"  # the ring's own start: rung 0
+    # cp 2 of Ulysses: 4 x the tokens per second at the same floor per token; cp 1 then cannot pass 2 % above it
+    _drive(ulysses, [_row("ok", step=1.0 / 4, floor=0.99 / 4)], first_ulysses)
+    _drive(ring, [_row("oom")] * len(RUNGS), first_ring)  # no rung fits the ring at cp 2: smaller cps hold more
+    search.finish_level()
+    assert search.level(1, [ULYSSES, RING]) == []
+    assert any(p.startswith("cp_ulysses/sdpa cp <= 1") and "not 2 % above the best" in p for p in search.pruned)
+    assert any(p.startswith("cp_ring_zigzag/sdpa cp 2: no rung fits") for p in search.pruned)
+    # USP's floor is the zigzag ring's (the same pairs and tiles): not above the best, no USP point at that cp
     search.ring_bound[4] = search.best
-    with pytest.raises(StopIteration):
-        next(search.chain("sdpa", "cp_usp", 2))
+    assert search.level(4, [USP]) == []
     assert any(p.startswith("cp_usp-u2/sdpa cp 4: at most") for p in search.pruned)
-    # a cp where no rung fits ends the chain: smaller cps hold more
-    chain = search.chain("sdpa", "cp_ring_zigzag", 1)
-    next(chain)
-    for _ in range(len(RUNGS) - 1):
-        chain.send(_row("oom"))
-    with pytest.raises(StopIteration):
-        chain.send(_row("oom"))
+
+
+def _best_and_pruned(tmp_path, prune: bool, jobs: int = 1, **kwargs):
+    from cpbench.harness.project.plan import ranked, run_plan
+
+    opts = PlanOptions(gpu="h100-sxm", jobs=jobs, prune=prune, out=tmp_path / f"{prune}-{jobs}", **kwargs)
+    run_dir, search = run_plan(opts)
+    df = store.read_run(run_dir)
+    return ranked(df)["point_id"].iloc[0], len(df), search.pruned
+
+
+def test_a_search_ranks_the_same_best_with_and_without_pruning(tmp_path):
+    small = dict(model="tiny-llama", seq=2048, gpus=2, styles=("cp_ulysses",))
+    assert _best_and_pruned(tmp_path, True, **small)[0] == _best_and_pruned(tmp_path, False, **small)[0]
+
+
+@pytest.mark.heavy
+def test_pruning_skips_what_cannot_win_and_never_changes_the_best(tmp_path):
+    # Qwen3-0.6B's widths (2 layers) at 8k on 2 GPUs: eager attention's cp 2 floor (its scores through HBM) is far
+    # below SDPA's tokens/s, so its cp 1 is not projected; the best is the same as with every configuration projected
+    search = dict(model="qwen3-0.6b", seq=8192, gpus=2, styles=("cp_ulysses", "cp_ring_zigzag"),
+                  attn=("sdpa", "eager"), overrides={"num_hidden_layers": 2})
+    pruned_best, pruned_rows, pruned = _best_and_pruned(tmp_path, True, **search)
+    full_best, full_rows, _ = _best_and_pruned(tmp_path, False, **search)
+    assert pruned_best == full_best and pruned_rows < full_rows
+    assert any(p.startswith("cp_ulysses/eager cp <= 1") for p in pruned)
 
 
 def test_calibrate_fits_a_measured_run_and_estimate_prices_with_the_written_profile(tmp_path, capsys):

@@ -1,4 +1,4 @@
-"""Emulations of the six aten ops cpbench's `CudaSdpaKernel(ops=...)` calls, under the keys it takes.
+"""Emulations of the eight aten ops cpbench's `CudaSdpaKernel(ops=...)` calls, under the keys it takes.
 
     from tests.emulation.aten_sdpa import OPS, Counted
     kernel = CudaSdpaKernel(ops=OPS)            # or Counted() to count calls per key
@@ -6,12 +6,13 @@
 
 Each takes exactly the real op's schema (positional and keyword arguments bound by `torch.ops.aten.X.default._schema`)
 and returns what the op returns on an sm80+ GPU, computed in fp32 from the kernels' source: see aten_flash.py (flash
-and varlen) and aten_efficient.py (efficient); CONTRACT is both tables.
+and varlen), aten_efficient.py (efficient) and aten_cudnn.py (cuDNN, on the GPU its TARGET names); CONTRACT is the
+three tables.
 """
 
 from __future__ import annotations
 
-from . import aten_efficient, aten_flash
+from . import aten_cudnn, aten_efficient, aten_flash
 
 OPS = {
     "flash": aten_flash.sdpa_flash,  # aten._scaled_dot_product_flash_attention
@@ -20,9 +21,11 @@ OPS = {
     "efficient_backward": aten_efficient.sdpa_efficient_backward,  # ..._efficient_attention_backward
     "varlen": aten_flash.flash_attention_forward,  # aten._flash_attention_forward (cum_seq_q/k, windows)
     "varlen_backward": aten_flash.flash_attention_backward,  # aten._flash_attention_backward
+    "cudnn": aten_cudnn.sdpa_cudnn,  # aten._scaled_dot_product_cudnn_attention
+    "cudnn_backward": aten_cudnn.sdpa_cudnn_backward,  # aten._scaled_dot_product_cudnn_attention_backward
 }
 
-CONTRACT = aten_flash.CONTRACT + aten_efficient.CONTRACT
+CONTRACT = aten_flash.CONTRACT + aten_efficient.CONTRACT + aten_cudnn.CONTRACT
 
 
 class Counted:

@@ -11,13 +11,13 @@ import sys
 import pytest
 import torch
 
+from tests.emulation import aten_efficient
 from tests.emulation import aten_flash as af
 from tests.emulation import flash_attn as fa
 from tests.emulation._common import KernelError, Undefined
-from tests.emulation.aten_sdpa import CONTRACT as ATEN_CONTRACT
 from tests.emulation.aten_sdpa import OPS, Counted
 
-CONTRACT = ATEN_CONTRACT + fa.CONTRACT
+CONTRACT = af.CONTRACT + aten_efficient.CONTRACT + fa.CONTRACT  # cuDNN, FA3, FA4: test_kernel_contracts_hopper.py
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 SEED, OFFSET = torch.zeros(2, dtype=torch.int64), torch.zeros((), dtype=torch.int64)
 MASK = [True, True, True, False]

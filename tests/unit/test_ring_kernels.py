@@ -61,7 +61,8 @@ def test_kernel_matches_plain_attention(kernel, name):
 
 def test_ring_serves_only_what_it_can_and_says_which():
     q = torch.zeros(1, 1, 1, 8)
-    with pytest.raises(ValueError, match=r"flex_attention.*\['eager', 'sdpa', 'flash_attention_2'\]"):
+    served = r"\['eager', 'sdpa', 'flash_attention_2', 'flash_attention_3', 'flash_attention_4'\]"
+    with pytest.raises(ValueError, match=r"flex_attention.*" + served):
         select_kernel("flex_attention", q)
     assert isinstance(select_kernel("sdpa", q), CpuSdpaKernel)
     assert isinstance(select_kernel("eager", q, softcap=30.0), TorchKernel)

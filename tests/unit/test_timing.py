@@ -10,13 +10,21 @@ import torch
 
 from cpbench.harness.project import hardware
 from cpbench.harness.project.timing import BREAKDOWN, collective_seconds, op_seconds, simulate
-from cpbench.harness.project.trace import Op, attention_flops, causal_pairs
+from cpbench.harness.project.trace import Op
+from cpbench.harness.project.work import attention, causal_pairs
+
+
+def attention_flops(name, args):
+    return attention(name, args)[0]
+
 
 # A profile with round figures: 100 TFLOP/s bf16, 1 TB/s HBM, 100 GB/s NVLink, 10 GB/s network, 10 GB/s PCIe.
 HW = hardware.Hardware(
     name="round", title="round figures", memory_bytes=80 << 30, peak_flops={"bfloat16": 100e12, "float32": 10e12},
     hbm_bytes_per_s=1e12, intra_node_bytes_per_s=100e9, inter_node_bytes_per_s=10e9, pcie_bytes_per_s=10e9,
-    host_bytes_per_s=50e9, kernel_s=1e-6, cpu_op_s=0.0, intra_node_latency_s=0.0, inter_node_latency_s=1e-5,
+    host_bytes_per_s=50e9, kernel_s=1e-6, cpu_op_s=0.0, cuda_launch_s=0.0, cpu_fsdp_collective_s=0.0, cpu_optimizer_tensor_s=0.0,
+    intra_node_latency_s=0.0, inter_node_latency_s=1e-5, sms=100, gemm_best_shape=None, intra_node_half_bytes=0.0,
+    inter_node_half_bytes=0.0, nccl_sm_fraction=0.0,
     efficiency={**dict.fromkeys(hardware.EFFICIENCIES, 1.0), "gemm": 0.5, "attention_forward": 0.4,
                 "attention_backward": 0.25},
 )
@@ -46,7 +54,9 @@ def test_attention_flops_count_the_pairs_a_causal_kernel_keeps_and_backward_is_t
     assert full == 4 * 16 * 2 * 8
     grad = (q, q, q, q, q, None, None, None, 4, 4, 0.0, True)
     assert attention_flops("aten._scaled_dot_product_flash_attention_backward", grad) == 2.5 * 640
-    assert causal_pairs(2, 4) == 3 and causal_pairs(4, 2) == 3 + 2 * 2  # queries aligned to the first key
+    assert causal_pairs(2, 4) == 3 and causal_pairs(4, 2) == 3 + 2 * 2  # torch's is_causal: aligned top left
+    # the flash kernels align the last query with the last key: 2 queries over 4 keys see 3 and 4
+    assert causal_pairs(2, 4, "bottom_right") == 7 and causal_pairs(4, 2, "bottom_right") == 3
     # varlen with known offsets: documents of 3 and 1 tokens -> 6 + 1 causal pairs, [tokens, heads, dim]
     t = torch.empty(4, 2, 8, device="meta")
     offsets = torch.tensor([0, 3, 4])
@@ -178,7 +188,8 @@ def test_calibration_recovers_the_step_times_of_a_synthetic_measured_sweep_and_r
         s.measured_s = s.projected(truth)
     start = HW  # gemm 0.5, attention 0.4 / 0.25, memory 1.0, intra_node 1.0
     held = ["s65536/cp2", "s8192/cp4"]
-    hw, rows = calibrate(samples, start, "fitted", holdout=held, run="synthetic")
+    hw, rows, errors = calibrate(samples, start, "fitted", holdout=held, run="synthetic")
+    assert errors["held_out"]["points"] == 2 and errors["held_out"]["max_abs_error"] < 0.02
     before = max(abs(r["before_s"] / r["measured_s"] - 1) for r in rows)
     after = max(abs(r["after_s"] / r["measured_s"] - 1) for r in rows)
     assert before > 0.2  # the starting profile is far off
@@ -230,9 +241,9 @@ def test_a_models_own_sdpa_call_is_priced_as_the_kernel_sdpa_picks_on_the_gpu():
 
 def test_every_attention_kind_the_trace_makes_has_an_efficiency_on_every_sdpa_kernel():
     from cpbench.harness.project.timing import efficiency_key
-    from cpbench.harness.project.trace import _ATTENTION
+    from cpbench.harness.project.work import ATTENTION
 
-    kinds = {f"attention{family}_{direction}" for direction, family, _, _ in _ATTENTION.values()}
+    kinds = {f"attention{spec.family}_{spec.direction}" for spec in ATTENTION.values()}
     kinds |= {f"attention_sdpa_{d}" for d in ("forward", "backward")}
     for kernel in hardware.SDPA_KERNELS:
         hw = dataclasses.replace(HW, sdpa_kernel=kernel)
@@ -253,8 +264,15 @@ pcie_gb_s = 10
 host_gb_s = 5
 kernel_s = 5e-6
 cpu_op_s = 3e-5
+cuda_launch_s = 0.0
+cpu_fsdp_collective_s = 0.0
+cpu_optimizer_tensor_s = 0.0
 intra_node_latency_s = 5e-5
 inter_node_latency_s = 5e-5
+sms = 1
+intra_node_half_mib = 0
+inter_node_half_mib = 0
+nccl_sm_fraction = 0.0
 [cpu-core.efficiency]
 gemm = 0.5
 attention_forward = 0.3

@@ -31,7 +31,7 @@ from cpbench.cp.hf_compat import model_attention_implementation, model_config
 from cpbench.cp.layout import SequenceLayout
 from cpbench.cp.ring.comm import DKV_TAG, KV_TAG, P2PCounter, RingComm
 from cpbench.cp.ring.kernels import RING_IMPLEMENTATIONS, acc_dtype, safe_lse
-from cpbench.cp.ring.masks import SKIP, RingMasks, build_ring_masks
+from cpbench.cp.ring.masks import CAUSAL, DENSE, FULL, SEGMENTS, SKIP, RingMasks, TileMask, build_ring_masks
 from cpbench.cp.ring.select import select_kernel
 from cpbench.cp.ring.sinks import add_sinks, check_sinks, sink_grad
 
@@ -45,16 +45,42 @@ class RingPlan:
     masks: RingMasks
     kernel: object
     scale: float
+    varlen: bool = False  # the kernel takes SEGMENTS tiles (one varlen call per tile)
 
     def tiles(self, step: int):
-        """(query rows, key rows, mask) of every non-empty tile at `step` (K/V of rank `rank - step`)."""
+        """(query rows, key rows, mask) of every non-empty tile at `step` (K/V of rank `rank - step`). A tile is a
+        query slot against a key slot (a chunk, or a per-document placement's runs: cp/balance.py). For a kernel
+        without varlen, a SEGMENTS tile comes as one plain sub-tile per document (its rows against its keys: full, or
+        causal on the diagonal), so no tile-sized mask is built and masked-out pairs are not computed."""
         n = self.layout.chunk_len
         source = (self.layout.rank - step) % self.layout.cp_size
         for qi, qc in enumerate(self.layout.chunks_of(self.layout.rank)):
             for ki, kc in enumerate(self.layout.chunks_of(source)):
-                tile = self.masks.tile(qc * n, kc * n, n)
-                if tile.kind != SKIP:
-                    yield slice(qi * n, (qi + 1) * n), slice(ki * n, (ki + 1) * n), tile
+                tile = self._tile(qc, kc, n)
+                if tile.kind == SKIP:
+                    continue
+                rows, cols = slice(qi * n, (qi + 1) * n), slice(ki * n, (ki + 1) * n)
+                if tile.kind != SEGMENTS or self.varlen:
+                    yield rows, cols, tile
+                elif tile.segments.rows == 1 and tile.segments.window == (-1, -1):
+                    plain = TileMask(CAUSAL if tile.segments.causal else FULL)
+                    for _, qs, qe, ks, ke in tile.segments.runs:
+                        yield slice(rows.start + qs, rows.start + qe), slice(cols.start + ks, cols.start + ke), plain
+                else:  # per-row documents, or a window inside them: the tile's mask
+                    yield rows, cols, self.masks.dense_slots(self.layout.slot_runs(qc), self.layout.slot_runs(kc))
+
+    def _tile(self, qc: int, kc: int, n: int) -> TileMask:
+        """The tile's mask; a placement's host-only ones (no tensor) are made once per forward for all layers alike."""
+        placement, masks = self.layout.placement, self.masks
+        if placement is None or masks.dense is not None or any(masks.blocked):
+            return masks.slots(self.layout.slot_runs(qc), self.layout.slot_runs(kc), n, qc == kc)
+        key = (qc, kc, masks.causal, masks.window, masks.varlen, masks.seq_len, id(masks.batch))
+        tile = placement.tiles.get(key)
+        if tile is None:
+            tile = masks.slots(self.layout.slot_runs(qc), self.layout.slot_runs(kc), n, qc == kc)
+            if tile.kind != DENSE:
+                placement.tiles[key] = tile
+        return tile
 
 
 def ring_p2p_count(cp_size: int) -> dict[str, int]:
@@ -167,7 +193,8 @@ def ring_attention_with_lse(
             "GQA needs num_attention_heads to be a multiple of num_key_value_heads (fix the model config)."
         )
     sinks = check_sinks(sinks, q_bhsd.shape[1])
-    return _RingAttention.apply(q_bhsd, k_bhsd, v_bhsd, sinks, RingPlan(comm, layout, masks, kernel, scale))
+    varlen = bool(getattr(kernel, "takes_segments", lambda q, v=None: False)(q_bhsd, v_bhsd))
+    return _RingAttention.apply(q_bhsd, k_bhsd, v_bhsd, sinks, RingPlan(comm, layout, masks, kernel, scale, varlen))
 
 
 def ring_attention(
@@ -196,8 +223,7 @@ def ring_attention(
         # Eager's uniform rows (a row that sees no key averages all of them) need no sink: with a sink, the
         # dtype's minimum on every key leaves the sink alone in the softmax, so such a row is 0 in eager, as here.
         sliding_window=kwargs.get("sliding_window"), eager=implementation == "eager" and sinks is None,
-        batch=batch,
-        varlen=bool(getattr(kernel, "takes_segments", lambda q, v=None: False)(query, value)),
+        batch=batch, varlen=True,  # masked tiles as documents: one varlen call, or a plain sub-tile each (RingPlan)
     )
     scale = kwargs.get("scaling")
     scale = query.shape[-1] ** -0.5 if scale is None else scale

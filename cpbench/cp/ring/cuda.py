@@ -4,9 +4,13 @@ The matmul kernel (`TorchKernel`) computes a tile in fp32 and holds its scores: 
 tile is 8k x 8k per head, GiBs per layer and no tensor cores. This kernel calls the ops sdpa itself dispatches to,
 as PyTorch's own context parallelism does, in the model's dtype:
 
-- FULL and CAUSAL tiles in fp16/bf16 (head dim <= 256): the flash kernel (`_scaled_dot_product_flash_attention`
-  and its backward). A ring's CAUSAL tile is square, where flash's bottom-right and the usual top-left causal
-  alignment agree.
+- Where the target GPU's SDPA puts cuDNN first (Hopper and Blackwell with cuDNN > 9.15: cp/ring/target.py
+  `sdpa_prefers_cudnn`, mirroring torch's own rule), every tile cuDNN takes: FULL, CAUSAL and DENSE ones (the mask as
+  cuDNN's additive bias), and SEGMENTS ones run by run where that is faster than flash varlen (cp/ring/cudnn.py, with
+  the time model's figures and the contract it keeps).
+- Otherwise FULL and CAUSAL tiles in fp16/bf16 (head dim <= 256): the flash kernel
+  (`_scaled_dot_product_flash_attention` and its backward). A ring's CAUSAL tile is square, where flash's
+  bottom-right and the usual top-left causal alignment agree.
 - SEGMENTS tiles in fp16/bf16 (packed documents, padded keys and sliding windows that flash's varlen form says;
   see cp/ring/segments.py): the flash kernel's variable-length form (`_flash_attention_forward` with cu_seqlens and
   window sizes, and its backward), no mask tensor.
@@ -31,7 +35,7 @@ count), one call per tile. The efficient kernel wants equal head counts: it is c
 that head's k/v expanded to its query heads (a copy of one kv head per call, not of the whole block), and dk/dv are
 summed back over the group. Outputs and the LSE go to the accumulation dtype for the merge.
 
-On CPU this runs against emulations of the six ops written from their sources (tests/emulation/, used by
+On CPU this runs against emulations of the eight ops written from their sources (tests/emulation/, used by
 tests/unit/test_ring_cuda.py, test_ring_contracts.py and tests/dist/test_ring_cuda_models.py); a projection
 (`cpbench estimate`) runs the real ops' meta kernels, so it sees what they allocate.
 """
@@ -40,9 +44,11 @@ from __future__ import annotations
 
 import torch
 
+from cpbench.cp.ring import cudnn
 from cpbench.cp.ring.kernels import TorchKernel, acc_dtype, safe_lse
 from cpbench.cp.ring.masks import CAUSAL, DENSE, SEGMENTS, TileMask
 from cpbench.cp.ring.segments import VarlenOps, varlen_backward, varlen_forward
+from cpbench.cp.ring.target import AMPERE, KernelTarget
 
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -52,7 +58,7 @@ BIAS_BLOCK_BYTES = 1 << 28  # a masked tile runs in row blocks whose bias is at 
 
 
 def aten_ops() -> dict:
-    """The six aten ops the kernel calls, by role (a test stands emulations in here for a whole model's run)."""
+    """The eight aten ops the kernel calls, by role (a test stands emulations in here for a whole model's run)."""
     aten = torch.ops.aten
     return {
         "flash": aten._scaled_dot_product_flash_attention,
@@ -61,29 +67,27 @@ def aten_ops() -> dict:
         "efficient_backward": aten._scaled_dot_product_efficient_attention_backward,
         "varlen": aten._flash_attention_forward,
         "varlen_backward": aten._flash_attention_backward,
+        "cudnn": aten._scaled_dot_product_cudnn_attention,
+        "cudnn_backward": aten._scaled_dot_product_cudnn_attention_backward,
     }
 
 
-FLASH_MIN_CAPABILITY = (8, 0)  # PyTorch's flash kernels (and flash-attn 2) are built for Ampere and newer
-
-
-def cuda_capability(q: torch.Tensor) -> tuple[int, int]:
-    """The compute capability of the query's GPU; a query that is not on a CUDA device (a projection's fake step,
-    which targets a current GPU) counts as Ampere."""
-    if q.device.type == "cuda":
-        return tuple(torch.cuda.get_device_capability(q.device))
-    return FLASH_MIN_CAPABILITY
+FLASH_MIN_CAPABILITY = AMPERE  # PyTorch's flash kernels (and flash-attn 2) are built for Ampere and newer
 
 
 class CudaSdpaKernel:
-    def __init__(self, ops=None, bias_block_bytes: int = BIAS_BLOCK_BYTES,
-                 capability: tuple[int, int] = FLASH_MIN_CAPABILITY):
-        """`capability`: the GPU's compute capability. Below 8.0 (T4, V100) the flash kernels do not run: every
-        tile goes to the memory-efficient kernel, which runs there in fp16 and fp32 (bf16 needs 8.0: refused)."""
+    def __init__(self, ops=None, bias_block_bytes: int = BIAS_BLOCK_BYTES, capability: tuple[int, int] | None = None,
+                 target: KernelTarget | None = None):
+        """`target`: the GPU the tiles are chosen for (cp/ring/target.py; default an A100), or just its
+        `capability`. Below 8.0 (T4, V100) the flash kernels do not run: every tile goes to the memory-efficient
+        kernel, which runs there in fp16 and fp32 (bf16 needs 8.0: refused)."""
         self.ops = ops or aten_ops()
         self.softcap = None  # the selector sends soft-capped models to TorchKernel
         self.bias_block_bytes = bias_block_bytes
-        self.capability = tuple(capability)
+        self.target = target or KernelTarget(capability=tuple(capability or AMPERE))
+        self.capability = self.target.capability
+        self.cudnn_first = cudnn.prefers(self.target)
+        self.efficient_only = self.target.sdpa_kernel == "efficient"  # `cpbench estimate --sdpa-kernel efficient`
         self._exact = TorchKernel()
         self._varlen = VarlenOps(self._varlen_forward, self._varlen_backward)
 
@@ -95,13 +99,16 @@ class CudaSdpaKernel:
     def takes_segments(self, q: torch.Tensor, v: torch.Tensor | None = None) -> bool:
         """Whether this layer's masked tiles can come as SEGMENTS (the flash kernel's GPUs, dtypes and head dims:
         one head dim for q, k and v, at most 256)."""
-        return self.flash and q.dtype in FLASH_DTYPES and _flash_head_dims(q, v)
+        return self.flash and not self.efficient_only and q.dtype in FLASH_DTYPES and _flash_head_dims(q, v)
 
     def route(self, q: torch.Tensor, tile: TileMask, v: torch.Tensor | None = None) -> str:
-        """"flash", "varlen", "efficient" or "torch": which kernel serves this tile (`v`: the tile's values, whose
-        head dim may differ from q's; default: the same)."""
+        """"cudnn", "cudnn_runs", "flash", "varlen", "efficient" or "torch": which kernel serves this tile (`v`: the
+        tile's values, whose head dim may differ from q's; default: the same, and as many keys as queries)."""
+        k_len = q.shape[2] if v is None else v.shape[2]
         if tile.kind == SEGMENTS:
             assert _flash_head_dims(q, v), "SEGMENTS tiles are built only where takes_segments() holds"
+            if self.cudnn_first and cudnn.runs_worth_it(self.target, q, q if v is None else v, tile.segments):
+                return "cudnn_runs"
             return "varlen"
         if tile.uniform is not None or q.dtype not in FUSED_DTYPES:
             return "torch"
@@ -110,6 +117,10 @@ class CudaSdpaKernel:
                 f"cp_ring: bfloat16 attention needs a GPU of compute capability 8.0 (Ampere) or newer; this one is "
                 f"sm{self.capability[0]}{self.capability[1]}. Load the model in float16 or float32 on this GPU."
             )
+        if self.cudnn_first and cudnn.takes(self.target, q, v, k_len):
+            return "cudnn"
+        if self.efficient_only:
+            return "efficient"
         if self.flash and tile.kind != DENSE and q.dtype in FLASH_DTYPES and _flash_head_dims(q, v):
             return "flash"
         return "efficient"
@@ -121,6 +132,11 @@ class CudaSdpaKernel:
         acc = acc_dtype(q.dtype)
         if route == "varlen":
             return varlen_forward(self._varlen, q, k, v, tile.segments, scale, acc)
+        if route == "cudnn_runs":
+            return cudnn.runs_forward(self.ops["cudnn"], q, k, v, tile.segments, scale, acc, _pad8)
+        if route == "cudnn":
+            blocks = self._row_blocks(tile, q.dtype, q.shape[2], k.shape[2], q.shape[0], cudnn_bias=True)
+            return cudnn.tile_forward(self.ops["cudnn"], q, k, v, tile, scale, acc, blocks, _pad8)
         if route == "flash":  # GQA natively: one call for all heads
             out, lse, *_ = self.ops["flash"](_pad8(q), _pad8(k), _pad8(v), 0.0, tile.kind == CAUSAL, False,
                                              scale=scale)
@@ -130,7 +146,7 @@ class CudaSdpaKernel:
         out = torch.empty(b, h, sq, d_v, dtype=acc, device=q.device)
         lse = torch.empty(b, h, sq, dtype=acc, device=q.device)
         q, k, v = _pad8(q), _pad8(k), _pad8(v)  # the efficient kernel's aligned strides (see _pad8)
-        for rows, bias in self._row_blocks(tile, q.dtype, sq, k.shape[2]):
+        for rows, bias in self._row_blocks(tile, q.dtype, sq, k.shape[2], b):
             n = rows.stop - rows.start
             for j, heads in _groups(k.shape[1], g):
                 o, l, *_ = self.ops["efficient"](q[:, heads, rows], _expand(k, j, g), _expand(v, j, g),
@@ -150,10 +166,17 @@ class CudaSdpaKernel:
         if route == "varlen":
             return varlen_backward(self._varlen, dout, q, k, v, out, lse, tile.segments, scale, dq, dk, dv)
         sq = q.shape[2]
-        lse = safe_lse(lse).float()
         causal = tile.kind == CAUSAL
         out, dout = out.to(q.dtype), dout.to(q.dtype)
         d, d_v = q.shape[-1], v.shape[-1]
+        if route == "cudnn_runs":
+            return cudnn.runs_backward(self.ops["cudnn_backward"], dout, q, k, v, out, lse, tile.segments, scale, dq,
+                                       dk, dv, _pad8)
+        if route == "cudnn":
+            blocks = self._row_blocks(tile, q.dtype, sq, k.shape[2], q.shape[0], cudnn_bias=True)
+            return cudnn.tile_backward(self.ops["cudnn_backward"], dout, q, k, v, out, lse, tile, scale, dq, dk, dv,
+                                       blocks, _pad8)
+        lse = safe_lse(lse).float()
         if route == "flash":
             seed, offset = _philox(q.device)
             gq, gk, gv = self.ops["flash_backward"](_pad8(dout), _pad8(q), _pad8(k), _pad8(v), _pad8(out),
@@ -165,7 +188,7 @@ class CudaSdpaKernel:
             return None
         b, g = q.shape[0], q.shape[1] // k.shape[1]
         dout, q, k, v, out = (_pad8(x) for x in (dout, q, k, v, out))
-        for rows, bias in self._row_blocks(tile, q.dtype, sq, k.shape[2]):
+        for rows, bias in self._row_blocks(tile, q.dtype, sq, k.shape[2], b):
             n = rows.stop - rows.start
             for j, heads in _groups(k.shape[1], g):
                 lj = torch.nn.functional.pad(lse[:, heads, rows], (0, -n % LSE_ALIGN))
@@ -191,17 +214,23 @@ class CudaSdpaKernel:
         return self.ops["varlen_backward"](dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0, causal, seed,
                                            offset, scale=scale, **_window(left, right))[:3]
 
-    def _row_blocks(self, tile: TileMask, dtype: torch.dtype, sq: int, sk: int):
+    def _row_blocks(self, tile: TileMask, dtype: torch.dtype, sq: int, sk: int, batch: int,
+                    cudnn_bias: bool = False):
         """(query rows, their bias or None): a masked tile in blocks of rows whose bias stays within
-        `bias_block_bytes`, so no tile-sized bias exists at long context; any other tile whole, without a bias."""
+        `bias_block_bytes`, so no tile-sized bias exists at long context; any other tile whole, without a bias.
+        `cudnn_bias`: cuDNN's (finite masked value, the batch materialised), else the efficient kernel's."""
         if tile.kind != DENSE:
             yield slice(0, sq), None
             return
-        per_row = tile.allowed.shape[0] * tile.allowed.shape[1] * (sk + 16) * dtype.itemsize
+        rows_of = batch if cudnn_bias else tile.allowed.shape[0]
+        per_row = rows_of * tile.allowed.shape[1] * (sk + 16) * dtype.itemsize
         step = max(1, self.bias_block_bytes // per_row)
         for start in range(0, sq, step):
             rows = slice(start, min(start + step, sq))
-            yield rows, _bias(TileMask(DENSE, tile.allowed[..., rows, :]), dtype)
+            if cudnn_bias:
+                yield rows, cudnn.bias_rows(tile.allowed[..., rows, :], dtype, batch)
+            else:
+                yield rows, _bias(TileMask(DENSE, tile.allowed[..., rows, :]), dtype)
 
 
 def _flash_head_dims(q: torch.Tensor, v: torch.Tensor | None) -> bool:

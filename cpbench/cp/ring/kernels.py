@@ -14,8 +14,10 @@ Kernels:
   head dim for q, k and v: a tile whose value head dim differs is zero-padded to one (see `_one_head_dim`).
 - `TorchKernel` — matmul + logsumexp on any device, also serving logit soft-capping; it holds the tile's scores
   (as eager attention holds the whole matrix).
-- `FlashAttnKernel` (cp/ring/flash.py) — flash-attn's kernels, for flash_attention_2 models on CUDA.
-- `CudaSdpaKernel` (cp/ring/cuda.py) — PyTorch's fused flash / memory-efficient kernels, for sdpa models on CUDA.
+- `FlashAttnKernel` (cp/ring/flash.py) — flash-attn's kernels, for flash_attention_2 models on CUDA;
+  `FlashAttn3Kernel` (fa3.py) and `FlashAttn4Kernel` (fa4.py) — FlashAttention-3 and -4, for flash_attention_3/4.
+- `CudaSdpaKernel` (cp/ring/cuda.py) — PyTorch's fused cuDNN / flash / memory-efficient kernels, for sdpa models on
+  CUDA, chosen for the target GPU as SDPA chooses (cudnn.py, target.py); select.py has the whole table.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch
 
 from cpbench.cp.ring.masks import CAUSAL, DENSE, TileMask
 
-RING_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2")
+RING_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flash_attention_4")
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from cpbench.cp.batch_mask import BatchMask, Runs
-from cpbench.cp.ring.segments import Segments, segments_of
+from cpbench.cp.ring.segments import Segments, segments_of, segments_of_runs
 
 SKIP, FULL, CAUSAL, DENSE, SEGMENTS = "skip", "full", "causal", "dense", "segments"
 
@@ -86,6 +86,44 @@ class RingMasks:
         keys = torch.arange(k0, k0 + n, device=allowed.device) < self.seq_len
         return TileMask(DENSE, allowed | (rows[..., :, None] & keys), uniform=rows)
 
+    # -- tiles of ring slots (runs of positions: a per-document placement, cp/balance.py) ---------------------------
+
+    def slots(self, q_runs: Runs, k_runs: Runs, n: int, diagonal: bool) -> TileMask:
+        """The tile of a query slot against a key slot, each `n` positions given as runs (laid out one after another
+        in the tile); `diagonal`: the same slot. A slot of one run is `tile`'s chunk."""
+        if len(q_runs) == 1 and len(k_runs) == 1 and q_runs[0][1] - q_runs[0][0] == n == k_runs[0][1] - k_runs[0][0]:
+            return self.tile(q_runs[0][0], k_runs[0][0], n)
+        if self.dense is not None or any(self.blocked):  # read from a tensor (the caller's mask, eager's rows)
+            return self._dense_slots(q_runs, k_runs)
+        seg = segments_of_runs(self.batch, self.seq_len, self.causal, self.window, q_runs, k_runs, diagonal)
+        if seg is not None and not seg.runs:
+            return TileMask(SKIP)
+        if seg is not None and seg.rows == 1 and seg.window == (-1, -1) and seg.runs == ((0, 0, n, 0, n),):
+            return TileMask(CAUSAL if seg.causal else FULL)  # one document over the whole tile
+        if seg is not None and self.varlen:
+            return TileMask(SEGMENTS, segments=seg)
+        return self.dense_slots(q_runs, k_runs)
+
+    def dense_slots(self, q_runs: Runs, k_runs: Runs) -> TileMask:
+        """The slots' tile as a DENSE mask built from the facts (what a kernel without varlen runs when the tile's
+        segments cannot be split into plain sub-tiles)."""
+        return TileMask(DENSE, self._allowed_at(_positions(q_runs, self.device), _positions(k_runs, self.device)))
+
+    def _dense_slots(self, q_runs: Runs, k_runs: Runs) -> TileMask:
+        q_pos, k_pos = _positions(q_runs, self.device), _positions(k_runs, self.device)
+        last = self.seq_len - 1
+        if self.dense is not None:
+            block = _as_allowed(self.dense.index_select(-2, q_pos.clamp(max=last)).index_select(-1, k_pos.clamp(max=last)))
+            allowed = block & ((q_pos < self.seq_len)[:, None] & (k_pos < self.seq_len)[None, :])
+        else:
+            allowed = self._allowed_at(q_pos, k_pos)
+        rows = None if self.uniform_rows is None else \
+            self.uniform_rows.index_select(-1, q_pos.clamp(max=last)) & (q_pos < self.seq_len)
+        if rows is None or not bool(rows.any()):
+            return _classify(allowed) if self.dense is not None else TileMask(DENSE, allowed)
+        keys = k_pos < self.seq_len
+        return TileMask(DENSE, allowed | (rows[..., :, None] & keys), uniform=rows)
+
     # -- classification from the facts, on the host --------------------------------------------------------------
 
     def _kind(self, q0: int, k0: int, n: int) -> str:
@@ -130,6 +168,9 @@ class RingMasks:
         # known constants, and a tile computed from constants alone would be computed for real.
         q_pos = torch.arange(q0, q0 + n, device=self.device)
         k_pos = torch.arange(k0, k0 + n, device=self.device)
+        return self._allowed_at(q_pos, k_pos)
+
+    def _allowed_at(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
         q, k = q_pos[:, None], k_pos[None, :]
         allowed = (q < self.seq_len) & (k < self.seq_len)
         if self.causal:
@@ -145,6 +186,11 @@ class RingMasks:
         if self.batch.key_valid is not None:
             allowed = allowed & self.batch.key_valid.index_select(1, k_pos.clamp(max=last))[:, None, None, :]
         return allowed
+
+
+def _positions(runs: Runs, device) -> torch.Tensor:
+    """The positions of runs laid out one after another, from fresh aranges (see `_allowed`)."""
+    return torch.cat([torch.arange(a, b, device=device) for a, b in runs])
 
 
 def _overlaps(runs: Runs, a: int, b: int) -> bool:

@@ -22,6 +22,7 @@ each supply a `VarlenOps` pair; packing, cu_seqlens and scattering back are here
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from typing import Callable
 
@@ -44,33 +45,79 @@ class Segments:
 def segments_of(batch: BatchMask, seq_len: int, causal: bool, window: int | None, q0: int, k0: int,
                 n: int) -> Segments | None:
     """The tile (queries [q0, q0 + n), keys [k0, k0 + n)) as segments, or None when it has no varlen form."""
-    q1, k1 = min(q0 + n, seq_len), min(k0 + n, seq_len)
-    diagonal = q0 == k0
-    if causal and not diagonal and k1 > q0:
+    if causal and q0 != k0 and min(k0 + n, seq_len) > q0:
         return None  # keys after the queries: a SKIP tile, never asked for
+    seg = segments_of_runs(batch, seq_len, causal, window, ((q0, q0 + n),), ((k0, k0 + n),), q0 == k0)
+    return seg if seg is not None and seg.runs else None
+
+
+def segments_of_runs(batch: BatchMask, seq_len: int, causal: bool, window: int | None, q_runs: Runs, k_runs: Runs,
+                     diagonal: bool) -> Segments | None:
+    """A tile whose queries and keys are runs of positions (a ring slot: cp/balance.py), laid out one after another
+    in the tile, as segments (none: nothing in the tile is visible); None when it has no varlen form. `diagonal`: the queries
+    and the keys are the same slot. Each document may hold one run of the queries and one of the keys: its queries
+    see all its keys before them (keys of another slot), or causally the same ones (the diagonal)."""
     rows = batch.rows if (batch.docs or batch.pads) else 1
+    kinds = {(batch.row_runs("docs", r), batch.row_runs("pads", r)) for r in range(rows)}
+    rows = rows if len(kinds) > 1 else 1  # rows alike (a batch of copies): their runs once, for every row
+    q_slot, k_slot = _Slot(q_runs), _Slot(k_runs)
     runs: list[Run] = []
+    spans: list[Run] = []  # the same runs in global positions, for the window
     for r in range(rows):
         pads = batch.row_runs("pads", r)
         for a, b in batch.row_runs("docs", r) or ((0, seq_len),):
-            qs, qe = max(q0, a), min(q1, b)
-            keys = _unpadded(max(k0, a), min(k1, b), pads)
-            if qs >= qe or keys == ():
+            q = q_slot.within(a, min(b, seq_len))
+            k = k_slot.within(a, min(b, seq_len))
+            if q is None or k is None:
+                return None  # a document in two runs of one slot: more than one segment
+            if q == () or k == ():
+                continue
+            (qs, qe, q_at), (ks, ke, k_at) = q, k
+            keys = _unpadded(ks, ke, pads)
+            if keys == ():
                 continue
             if keys is None:
                 return None  # padded keys inside the document's range: more than one key run
-            ks, ke = keys
+            k_at, (ks, ke) = k_at + keys[0] - ks, keys
             if causal and diagonal:
                 if ke < qe:
                     return None  # queries past the last valid key see them all: not causal over identical ranges
-                qs = ks  # queries before the first valid key see nothing here
-            runs.append((r, qs - q0, qe - q0, ks - k0, ke - k0))
+                q_at, qs = q_at + ks - qs, ks  # queries before the first valid key see nothing here
+            elif causal and ks >= qe:
+                continue  # the document's keys here all come after its queries
+            elif causal and ke > qs:
+                return None  # keys on both sides of the queries
+            if causal and window is not None and not diagonal and qs - (ke - 1) >= window:
+                continue  # every key of the document lies beyond the window
+            runs.append((r, q_at, q_at + qe - qs, k_at, k_at + ke - ks))
+            spans.append((r, qs, qe, ks, ke))
     if not runs:
-        return None
-    flash_window = _window(runs, window, q0, k0, causal, diagonal)
+        return Segments(causal and diagonal, (), rows)  # nothing in the tile is visible
+    flash_window = _window(spans, window, causal, diagonal)
     if flash_window is None:
         return None
     return Segments(causal and diagonal, tuple(runs), rows, flash_window)
+
+
+class _Slot:
+    """Runs of positions laid out one after another (sorted, disjoint), searchable by position."""
+
+    def __init__(self, runs: Runs):
+        self.runs, self.starts, self.offsets = runs, [s for s, _ in runs], [0]
+        for s, e in runs:
+            self.offsets.append(self.offsets[-1] + e - s)
+
+    def within(self, a: int, b: int):
+        """[a, b) in the slot: (start, end, where it starts in the slot), () when none of it is there, None when it
+        is there in more than one run."""
+        i = max(0, bisect.bisect_right(self.starts, a) - 1)
+        j = bisect.bisect_left(self.starts, b)
+        found = [k for k in range(i, j) if self.runs[k][1] > a]
+        if len(found) != 1:
+            return None if found else ()
+        s, e = self.runs[found[0]]
+        lo, hi = max(s, a), min(e, b)
+        return lo, hi, self.offsets[found[0]] + lo - s
 
 
 def _unpadded(ks: int, ke: int, pads: Runs) -> tuple[int, int] | tuple | None:
@@ -89,30 +136,30 @@ def _unpadded(ks: int, ke: int, pads: Runs) -> tuple[int, int] | tuple | None:
     return pieces[0] if pieces else ()
 
 
-def _window(runs: list[Run], window: int | None, q0: int, k0: int, causal: bool, diagonal: bool):
-    """flash's (left, right) for the tile: (-1, -1) when no window cuts a segment, None when one cuts and flash's
-    single window cannot say it for every segment."""
+def _window(spans: list[Run], window: int | None, causal: bool, diagonal: bool):
+    """flash's (left, right) for the tile (`spans`: its segments in global positions): (-1, -1) when no window cuts
+    a segment, None when one cuts and flash's single window cannot say it for every segment."""
     if window is None or not causal:
         return (-1, -1)
-    cut = [run for run in runs if (q0 + run[2] - 1) - (k0 + run[3]) >= window]
+    cut = [span for span in spans if (span[2] - 1) - span[3] >= window]
     if not cut:
         return (-1, -1)
     if diagonal:  # causal over identical ranges: (w - 1, 0) is every segment's window, cut or not
         return (window - 1, 0)
     # Keys before the queries: a cut segment of equal lengths needs left = w - 1 - (its query start - its key start);
     # one left for all, and it must leave the uncut segments whole (left >= their key count - 1).
-    lefts = {window - 1 - ((q0 + qs) - (k0 + ks)) if qe - qs == ke - ks else -1 for _, qs, qe, ks, ke in cut}
+    lefts = {window - 1 - (qs - ks) if qe - qs == ke - ks else -1 for _, qs, qe, ks, ke in cut}
     if len(lefts) != 1:
         return None
     left = lefts.pop()
-    if left < 0 or any(left < ke - ks - 1 for run in runs if run not in cut for _, _, _, ks, ke in (run,)):
+    if left < 0 or any(left < ke - ks - 1 for span in spans if span not in cut for _, _, _, ks, ke in (span,)):
         return None
     # flash has no "unbounded on the right" beside a left window: `left >= 0, right < 0` becomes right = max_k
     # (set_params_fprop, and mha_varlen_fwd maps right >= max_k to -1 first), bottom-right aligned per sequence, so
     # query i of a run sees keys up to i + (k len - q len) + max_k. The first query keeps its run's last key only
     # when q len <= max_k + 1; a run with more queries than that (an uncut document with few keys in the tile)
     # would lose keys, so such a tile stays DENSE.
-    if max(qe - qs for _, qs, qe, _, _ in runs) > max(ke - ks for _, _, _, ks, ke in runs) + 1:
+    if max(qe - qs for _, qs, qe, _, _ in spans) > max(ke - ks for _, _, _, ks, ke in spans) + 1:
         return None
     return (left, -1)
 

@@ -116,10 +116,14 @@ class BatchMaskCount:
     def pairs(self, window: int | None = None) -> int:
         """Kept (query, key) pairs: both real, same document, key <= query, query - key < window."""
         if window not in self._pairs:
-            low = self.doc_start if window is None else self.doc_start.clamp(min=self.index - window + 1)
-            keys = self._before.gather(-1, self.index + 1) - self._before.gather(-1, low)
-            self._pairs[window] = int((keys * self._valid_long).sum())
+            self._pairs[window] = int((self.keys(window) * self._valid_long).sum())
         return self._pairs[window]
+
+    def keys(self, window: int | None = None):
+        """[B, S]: the real keys each query sees (same document, key <= query, within the window); a padded query
+        sees the real keys before it, as the mask lets it (kernels compute it, the model's FLOPs do not count it)."""
+        low = self.doc_start if window is None else self.doc_start.clamp(min=self.index - window + 1)
+        return self._before.gather(-1, self.index + 1) - self._before.gather(-1, low)
 
 
 def _rows(t, shape: tuple[int, int], name: str):
@@ -163,3 +167,36 @@ def forward_flops(config, seq_len: int, batch_size: int = 1, *, position_ids=Non
 def train_step_flops(config, seq_len: int, batch_size: int = 1, *, position_ids=None, attention_mask=None) -> int:
     """3x `forward_flops` (see the module docstring); the same keyword arguments."""
     return 3 * forward_flops(config, seq_len, batch_size, position_ids=position_ids, attention_mask=attention_mask)
+
+
+def attention_pairs_per_rank(point, config, batch: dict) -> list[int]:
+    """The query-key pairs each cp rank's attention computes in one forward of one layer (the mean over the model's
+    layers, whose windows may differ), on the point's batch and the layout its style makes of it (a zigzag ring's
+    per-document placement: cpbench/cp/balance.py). Ulysses gives each rank every query of 1/cp of the heads, USP
+    each member of a ring group 1/degree of the group's: their share counts as that fraction of the pairs."""
+    import torch
+
+    from cpbench.cp import STYLES
+    from cpbench.cp.batch_mask import BatchFacts
+    from cpbench.cp.layout import SequenceLayout
+
+    seq_len, cp = point.seq_len, point.cp_size
+    positions, mask = batch.get("position_ids"), batch.get("attention_mask")
+    count = BatchMaskCount(seq_len, point.batch_size, positions, mask)
+    windows = window_per_layer(config)
+    keys = sum(count.keys(w).sum(0).double() for w in windows) / len(windows)  # [S]: one layer's mean
+    prefix = torch.cat([keys.new_zeros(1), keys.cumsum(0)]).tolist()
+    total = prefix[-1]
+    style = STYLES.get(point.cp_style) if cp > 1 and point.cp_style in STYLES else None
+    if style is None or style.name == "cp_ulysses" or point.level != "model":
+        return [round(total / cp)] * cp
+    u = point.cp_ulysses_degree if style.name == "cp_usp" else 1
+    facts = BatchFacts(seq_len, mask, positions)
+    layout = SequenceLayout(seq_len, cp, 0, style.layout, ulysses=u, facts=facts).balanced(point.balance)
+    ring = layout.ring_view()
+
+    def pairs(runs) -> float:
+        return sum(prefix[min(b, seq_len)] - prefix[min(a, seq_len)] for a, b in runs)
+
+    per_ring = [pairs(ring.runs_of(g)) for g in range(ring.cp_size)]
+    return [round(per_ring[r // u] / u) for r in range(cp)]

@@ -26,6 +26,8 @@ def make_batch(point: Point, vocab_size: int, device) -> dict:
     ids = torch.randint(0, vocab_size, (point.batch_size, point.seq_len), generator=g)
     positions = torch.arange(point.seq_len)
     batch = {"input_ids": ids, "labels": ids.clone()}
+    if point.documents != "none":  # the point's documents (a shipped mix or lengths given): positions restart at each
+        return {k: v.to(device) for k, v in _packed_documents(point, batch).items()}
     if point.batch_kind == "packed":  # four documents per row; positions restart at each
         positions = positions % -(-point.seq_len // 4)
     elif point.batch_kind == "padded":  # every other row right-padded by a quarter
@@ -35,6 +37,19 @@ def make_batch(point: Point, vocab_size: int, device) -> dict:
         batch["labels"] = ids.masked_fill(mask == 0, -100)
     batch["position_ids"] = positions.expand(point.batch_size, -1).clone()
     return {k: v.to(device) for k, v in batch.items()}
+
+
+def _packed_documents(point: Point, batch: dict) -> dict:
+    """Rows of the point's documents: `position_ids` restart at every document; a pad segment (documents.py) holds
+    token 0 and label -100, its positions restarting too."""
+    from cpbench.harness.suite import documents
+
+    rows = documents.rows(point.documents, point.document_lengths, point.seq_len, point.batch_size, point.seed,
+                          padded=point.batch_kind == "padded")
+    positions = torch.stack([torch.cat([torch.arange(s.length) for s in row]) for row in rows])
+    pad = torch.stack([torch.cat([torch.full((s.length,), s.pad) for s in row]) for row in rows])
+    ids = batch["input_ids"].masked_fill(pad, 0)
+    return {"input_ids": ids, "labels": ids.masked_fill(pad, -100), "position_ids": positions}
 
 
 def build_model(point: Point, device) -> torch.nn.Module:
@@ -63,10 +78,11 @@ def build_reference_model(point: Point, device) -> torch.nn.Module:
     return model.to(parity.DTYPES[point.dtype]) if point.mixed_precision else model
 
 
-def distribute(model: torch.nn.Module, point: Point, mesh=None, kernel_device: str | None = None) -> torch.nn.Module:
+def distribute(model: torch.nn.Module, point: Point, mesh=None, kernel_device=None) -> torch.nn.Module:
     """The point's levers (selective recompute, activation offload, the tiled MLP), FSDP2 over fsdp x cp (with
     parameter offload), the point's CP style and its loss. `mesh`: one built beforehand (a projection builds
-    it outside its fake-tensor mode); `kernel_device`: whose attention kernels CP picks (see DistributedConfig)."""
+    it outside its fake-tensor mode); `kernel_device`: whose attention kernels CP picks, a device type or the
+    `KernelTarget` of a GPU (see DistributedConfig)."""
     import cpbench
 
     if point.activation_checkpointing and (point.recompute_every_n_layers > 1 or point.offload_activations):
@@ -93,11 +109,22 @@ def _parallelize(model, point: Point, mesh, kernel_device):
         plan.update(dict.fromkeys(attention, point.cp_style))
     config = cpbench.DistributedConfig(
         cp_size=point.cp_size, fsdp_size=point.fsdp_size, dp_replicate_size=point.dp_replicate_size, cp_plan=plan,
-        cp_kernel_device=kernel_device, fsdp_mixed_precision=point.mixed_precision,
-        fsdp_cpu_offload=point.offload_params,
-        cp_ulysses_degree=point.cp_ulysses_degree,
+        fsdp_mixed_precision=point.mixed_precision, fsdp_cpu_offload=point.offload_params,
+        cp_ulysses_degree=point.cp_ulysses_degree, **_kernel_fields(kernel_device),
     )
     return cpbench.parallelize(model, config, mesh=mesh)
+
+
+def _kernel_fields(kernel_device) -> dict:
+    """DistributedConfig's kernel fields for a device type, or for a `KernelTarget` (a projection's GPU: its
+    capability, cuDNN and forced SDPA kernel, cpbench/cp/ring/target.py)."""
+    from cpbench.cp.ring.target import KernelTarget
+
+    if not isinstance(kernel_device, KernelTarget):
+        return {"cp_kernel_device": kernel_device}
+    t = kernel_device
+    return {"cp_kernel_device": t.device, "cp_kernel_capability": t.capability,
+            "cp_kernel_cudnn_version": t.cudnn_version, "cp_sdpa_kernel": t.sdpa_kernel}
 
 
 def make_optimizer(model: torch.nn.Module, point: Point) -> torch.optim.Optimizer:

@@ -5,7 +5,10 @@ priced again and again (timing.py) while the efficiencies that the traces use, a
 to make the projected step times meet the measured medians (least squares on log time: a 10 % miss weighs the
 same at 10 ms and at 10 s). What a trace does not use is not fitted and keeps the starting profile's value.
 
-Hold-out: `holdout` points are never fitted; the report gives their error separately, the only honest one.
+Hold-out: `holdout` points are never fitted; the report gives their error separately (`summary`), the only honest
+one. The run must have been measured on the profile's GPU (`check_device`): efficiencies fitted to an A100 sweep
+are not an H100's. Which ranks share a node (whether a collective crosses nodes) is the run's own: the GPUs it saw
+per node, unless given.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from cpbench.harness.project.timing import efficiency_key, simulate
 
 # parameter -> (lowest, highest): efficiencies are fractions of a peak, overheads seconds
 BOUNDS = {"efficiency": (0.01, 1.0), "kernel_s": (1e-7, 1e-3), "cpu_op_s": (1e-7, 1e-3)}
+OVERHEADS = ("kernel_s", "cpu_op_s")
 FACTORS = (0.25, 0.5, 0.7, 0.85, 1.0, 1.18, 1.4, 2.0, 4.0)
 
 
@@ -50,7 +54,7 @@ def _used(samples: list[Sample], hw: Hardware) -> list[str]:
         used.append("pcie")
     if any(st == "host" for st, _ in streams):
         used.append("host")
-    return [f"efficiency.{k}" for k in sorted(set(used))] + ["kernel_s", "cpu_op_s"]
+    return [f"efficiency.{k}" for k in sorted(set(used))] + list(OVERHEADS)
 
 
 def _get(hw: Hardware, name: str) -> float:
@@ -91,35 +95,73 @@ def fit(samples: list[Sample], start: Hardware, rounds: int = 8) -> Hardware:
     return hw
 
 
-def samples_of_run(run_dir: Path, gpus_per_node: int = 8, progress=None) -> list[Sample]:
-    """The run's measured ok points with their projected traces."""
+def check_device(device_names: set, base: Hardware, any_device: bool = False) -> str | None:
+    """Refuses a run measured on another GPU than the profile's (None: it matches, or it was measured on a device no
+    shipped profile names, e.g. a CPU: said in the returned note)."""
+    from cpbench.harness.project.hardware import for_device
+
+    others = {n: for_device(n) for n in device_names if for_device(n) is not None and n not in base.device_names}
+    if others and not any_device:
+        named = ", ".join(f"{n!r} (profile {p.name})" for n, p in sorted(others.items()))
+        raise ValueError(f"the run was measured on {named}, not on {base.name}'s GPU "
+                         f"({', '.join(base.device_names) or 'no device named'}): pass --gpu "
+                         f"{next(iter(others.values())).name}, or --any-device to fit this profile to it anyway.")
+    unknown = sorted(n for n in device_names if n not in base.device_names and n not in others)
+    return (f"measured on {', '.join(map(repr, unknown))}, which no shipped profile names: the fitted profile stands "
+            "for that device" if unknown else None)
+
+
+def samples_of_run(run_dir: Path, gpus_per_node: int | None = None, progress=None, base: Hardware | None = None,
+                   any_device: bool = False) -> tuple[list[Sample], str | None]:
+    """The run's measured ok points with their projected traces, and a note on the run's device (check_device).
+    `gpus_per_node`: default, the GPUs the run saw on its node (its `device_count`), else its world size (a CPU
+    run is one machine)."""
     from cpbench.harness.project.projection import project_rank, projected_ranks
     from cpbench.harness.suite.spec import Point
     from cpbench.report.runs import store
 
     df = store.read_run(run_dir)
     rows = df[(df["measurement"] == "measured") & (df["status"] == "ok") & df["step_time_median_s"].notna()]
+    note = check_device(set(rows["device_name"].dropna()), base, any_device) if base is not None else None
     out = []
     for r in rows.to_dict("records"):
         point = Point.from_dict(json.loads(r["spec_json"]))
         if point.level != "model":
             continue
-        traces = [project_rank(point, rank, gpus_per_node=gpus_per_node, keep_trace=True)["trace"]
+        per_node = gpus_per_node or int(r.get("device_count") or 0) or point.world_size
+        traces = [project_rank(point, rank, gpus_per_node=per_node, keep_trace=True)["trace"]
                   for rank in projected_ranks(point)]
         out.append(Sample(r["point_id"], traces, point.dtype, float(r["step_time_median_s"])))
         if progress:
             progress(r["point_id"])
+    return out, note
+
+
+def summary(rows: list[dict]) -> dict:
+    """The error of the fitted and of the held-out points apart: their count, mean and largest |error|."""
+    out = {}
+    for part, held in (("fitted", False), ("held_out", True)):
+        errors = [abs(r["after_s"] / r["measured_s"] - 1) for r in rows if r["held_out"] == held]
+        out[part] = {"points": len(errors), "mean_abs_error": sum(errors) / len(errors) if errors else None,
+                     "max_abs_error": max(errors) if errors else None}
     return out
 
 
 def calibrate(samples: list[Sample], base: Hardware, name: str, holdout: list[str] = (), run: str = "") -> tuple:
-    """Fits on the samples outside `holdout`; returns (the fitted profile, one row per point)."""
+    """Fits on the samples outside `holdout`; returns (the fitted profile, one row per point, the summary)."""
+    unknown = set(holdout) - {s.point_id for s in samples}
+    if unknown:
+        raise ValueError(f"--holdout {sorted(unknown)}: not measured ok points of the run")
     fitted_on = [s for s in samples if s.point_id not in set(holdout)]
     hw = fit(fitted_on, base)
     rms = math.sqrt(loss(fitted_on, hw))
-    hw = replace(hw, name=name, title=f"{base.title}, calibrated",
-                 sources={**hw.sources, "efficiency": f"fitted by `cpbench calibrate` to {run or 'a measured run'}: "
-                          f"{len(fitted_on)} points, rms log error {rms:.3f}"})
     rows = [{"point_id": s.point_id, "measured_s": s.measured_s, "before_s": s.projected(base),
              "after_s": s.projected(hw), "held_out": s.point_id in set(holdout)} for s in samples]
-    return hw, rows
+    errors = summary(rows)
+    held = errors["held_out"]
+    hw = replace(hw, name=name, title=f"{base.title}, calibrated",
+                 sources={**hw.sources, "efficiency": f"fitted by `cpbench calibrate` to {run or 'a measured run'}: "
+                          f"{len(fitted_on)} points, rms log error {rms:.3f}"
+                          + (f"; {held['points']} held out, mean |error| {100 * held['mean_abs_error']:.1f} %"
+                             if held["points"] else "")})
+    return hw, rows, errors

@@ -37,6 +37,11 @@ def register(subparsers) -> None:
                       help="write each configuration that fits as a runnable suite file in this folder")
     plan.add_argument("--results", type=Path, default=Path("results"), help="results folder for the search's run")
     plan.add_argument("--jobs", type=int, default=2, help="projections side by side (default 2)")
+    plan.add_argument("--no-prune", action="store_true",
+                      help="project every configuration the memory floor allows (slower; the same ranking)")
+    plan.add_argument("--documents", default=None, metavar="MIX|LENGTHS",
+                      help="packed documents: a shipped mix (meta-128k, prolong-64k, llama3-sft, longalign, pile) or "
+                           "lengths summing to --seq (e.g. 500000,300000,248576; pad:N for N padded tokens)")
     plan.add_argument("--cp-plan", default=None, metavar="JSON|STYLE",
                       help="the CP plan's shape for a family without a default plan (docs/families.md): a JSON object "
                            "of module pattern -> style, or a style name for the default plan's shape; each searched "
@@ -55,6 +60,10 @@ def register(subparsers) -> None:
     cal.add_argument("--name", default=None, help="the profile's name (default: the file's stem)")
     cal.add_argument("--holdout", action="append", default=[], metavar="POINT_ID",
                      help="a point kept out of the fit (repeatable); its error is reported apart")
+    cal.add_argument("--gpus-per-node", type=int, default=None,
+                     help="GPUs per node of the measured run (default: the GPUs it saw, its device_count)")
+    cal.add_argument("--any-device", action="store_true",
+                     help="fit the profile to a run measured on another GPU than the profile's (refused otherwise)")
     cal.set_defaults(func=calibrate_command)
 
 
@@ -64,6 +73,12 @@ def _overrides(items: list[str]) -> dict:
     from cpbench.harness.commands import _override
 
     return tomllib.loads("\n".join(_override(o) for o in items)) if items else {}
+
+
+def _documents(text: str | None):
+    from cpbench.harness.suite import documents
+
+    return documents.NONE if text is None else documents.parse(text)
 
 
 def plan_command(args) -> int:
@@ -82,7 +97,7 @@ def plan_command(args) -> int:
                            styles=tuple(s.strip() for s in args.styles.split(",") if s.strip()),
                            attn=tuple(a.strip() for a in args.attn.split(",") if a.strip()),
                            overrides=_overrides(args.override), min_gain=args.min_gain, out=args.results,
-                           jobs=args.jobs)
+                           jobs=args.jobs, documents=_documents(args.documents))
         run_dir, search = run_plan(opts, on_row=lambda r: print(f"  {r['point_id']}: {r['status']}", flush=True))
     except ValueError as e:
         print(f"cpbench plan: {e}", file=sys.stderr)
@@ -169,11 +184,11 @@ def calibrate_command(args) -> int:
 
     try:
         base = load(args.gpu)
-        samples = samples_of_run(Path(args.run), progress=lambda pid: print(f"  traced {pid}", flush=True))
-        unknown = set(args.holdout) - {s.point_id for s in samples}
-        if unknown:
-            raise ValueError(f"--holdout {sorted(unknown)}: not measured ok points of {args.run}")
-        hw, rows = calibrate(samples, base, args.name or args.out.stem, args.holdout, run=str(args.run))
+        if args.gpus_per_node is not None and args.gpus_per_node < 1:
+            raise ValueError(f"--gpus-per-node {args.gpus_per_node}: give at least 1.")
+        samples, note = samples_of_run(Path(args.run), args.gpus_per_node, base=base, any_device=args.any_device,
+                                       progress=lambda pid: print(f"  traced {pid}", flush=True))
+        hw, rows, errors = calibrate(samples, base, args.name or args.out.stem, args.holdout, run=str(args.run))
     except ValueError as e:
         print(f"cpbench calibrate: {e}", file=sys.stderr)
         return 2
@@ -182,5 +197,12 @@ def calibrate_command(args) -> int:
     lines = [[r["point_id"], seconds(r["measured_s"]), seconds(r["before_s"]), seconds(r["after_s"]),
               f"{100 * (r['after_s'] / r['measured_s'] - 1):+.1f}%", "yes" if r["held_out"] else ""] for r in rows]
     print(_render(header, lines))
+    for part, label in (("fitted", "fitted on"), ("held_out", "held out")):
+        e = errors[part]
+        if e["points"]:
+            print(f"{label} {e['points']} points: mean |error| {100 * e['mean_abs_error']:.1f} %, largest "
+                  f"{100 * e['max_abs_error']:.1f} %" + ("  <- the honest one" if part == "held_out" else ""))
+    if note:
+        print(f"note: {note}")
     print(f"\nwrote {args.out}: use it with --gpu {args.out}")
     return 0

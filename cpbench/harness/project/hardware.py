@@ -15,7 +15,9 @@ from pathlib import Path
 from cpbench.report.units import parse_bytes
 
 GPUS_FILE = Path(__file__).with_name("gpus.toml")
-SDPA_KERNELS = ("flash", "cudnn", "efficient")
+# The kernels a model's own SDPA call may be priced as: torch's choices on the GPU, and FlashAttention-3 / -4 for a
+# run whose model called them (transformers' flash_attention_3 / _4, which a projection runs as SDPA)
+SDPA_KERNELS = ("flash", "cudnn", "efficient", "fa3", "fa4")
 
 # What each efficiency is the fraction of (timing.py reads them by these names).
 EFFICIENCIES = {
@@ -26,12 +28,19 @@ EFFICIENCIES = {
     "attention_cudnn_backward": "dense peak, for cuDNN's fused attention backward",
     "attention_efficient_forward": "dense peak, for the memory-efficient (cutlass) attention forward",
     "attention_efficient_backward": "dense peak, for the memory-efficient attention backward",
+    "attention_fa3_forward": "dense peak, for FlashAttention-3's forward (Hopper only)",
+    "attention_fa3_backward": "dense peak, for FlashAttention-3's backward",
+    "attention_fa4_forward": "dense peak, for FlashAttention-4's forward (Hopper and Blackwell)",
+    "attention_fa4_backward": "dense peak, for FlashAttention-4's backward",
     "memory": "HBM bandwidth, for element-wise ops, reductions and copies",
     "intra_node": "the per-GPU link inside a node (NVLink), as NCCL's bus bandwidth",
     "inter_node": "the per-GPU network link across nodes (InfiniBand), as NCCL's bus bandwidth",
     "pcie": "the host link, for offload copies",
     "host": "host memory bandwidth per GPU, for an optimizer step on the host",
 }
+# Attention efficiencies are at causal, head dim 128, 16k tokens (efficiency.py takes other shapes from the kernels'
+# published curves). A kernel that does not run on a GPU has none there; pricing one of its calls says so.
+OPTIONAL = {"attention_fa3_forward", "attention_fa3_backward", "attention_fa4_forward", "attention_fa4_backward"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,14 +58,37 @@ class Hardware:
     host_bytes_per_s: float  # host memory bandwidth a GPU's optimizer step gets on the host
     efficiency: dict  # EFFICIENCIES -> fraction
     kernel_s: float  # the shortest a kernel takes on the GPU (launch and tail)
-    cpu_op_s: float  # host time to dispatch one op (the eager framework's overhead)
+    cpu_op_s: float  # host time to dispatch one op of the forward and backward (the eager framework's overhead)
+    cuda_launch_s: float  # host time the CUDA driver takes to launch one kernel (what a CPU measurement lacks)
+    cpu_fsdp_collective_s: float  # host time FSDP2's hooks add to each all-gather and reduce-scatter
+    cpu_optimizer_tensor_s: float  # host time of the optimizer step per tensor its foreach ops take (DTensor's)
     intra_node_latency_s: float
     inter_node_latency_s: float
+    sms: int  # streaming multiprocessors: what a kernel's thread blocks fill (efficiency.py)
+    gemm_best_shape: tuple | None  # (m, n, k) the `gemm` efficiency was measured at (None: at full waves)
+    # message size (bytes) at which NCCL reaches half its large-message bus bandwidth, inside a node and across nodes
+    intra_node_half_bytes: float
+    inter_node_half_bytes: float
+    nccl_sm_fraction: float  # the share of the SMs NCCL's kernels take from compute they overlap
     sources: dict = field(default_factory=dict)  # field -> where the figure comes from
     device_names: tuple = ()  # the names torch / NVML report for this GPU (a measured run's `device_name`)
     # The kernel torch's SDPA runs for a model's causal bf16 attention on this GPU: cuDNN on Hopper and Blackwell
     # from torch 2.10 with cuDNN >= 9.15.1 (sdp_utils.cpp check_prefer_cudnn_attention), else flash.
     sdpa_kernel: str = "flash"
+    # What a projection of this GPU picks its kernels by, as torch does on the real one: the CUDA compute capability
+    # (torch.cuda.get_device_capability) and the cuDNN of the torch build the profile stands for, as
+    # (major, minor, patch); `cudnn_version_number` is torch.backends.cudnn.version()'s encoding of it. None: not a
+    # CUDA device (a profile of a CPU fitted by `cpbench calibrate`), or no cuDNN.
+    capability: tuple | None = None
+    cudnn_version: tuple | None = None
+
+    @property
+    def cudnn_version_number(self) -> int | None:
+        """cuDNN's version as torch.backends.cudnn.version() and torch's CUDNN_VERSION give it (9.20.0 -> 92000)."""
+        if self.cudnn_version is None:
+            return None
+        major, minor, patch = self.cudnn_version
+        return major * 10000 + minor * 100 + patch
 
     def peak(self, dtype: str) -> float:
         if dtype not in self.peak_flops:
@@ -72,11 +104,16 @@ class Hardware:
         d = asdict(self)
         lines = [f"[{self.name}]", f"title = {_q(self.title)}", f"memory = {_q(str(self.memory_bytes))}",
                  f"sdpa_kernel = {_q(self.sdpa_kernel)}",
+                 *([f"capability = [{self.capability[0]}, {self.capability[1]}]"] if self.capability else []),
+                 *([f"cudnn_version = {_q('.'.join(map(str, self.cudnn_version)))}"] if self.cudnn_version else []),
                  "device_names = [" + ", ".join(_q(n) for n in self.device_names) + "]"]
         lines += [f"{dt}_tflops = {v / 1e12!r}" for dt, v in d["peak_flops"].items()]
         for key, unit in _RATES.items():
             lines.append(f"{key} = {d[_RATE_FIELDS[key]] / unit!r}")
-        lines += [f"{k} = {d[k]!r}" for k in ("kernel_s", "cpu_op_s", "intra_node_latency_s", "inter_node_latency_s")]
+        lines += [f"{k} = {d[k]!r}" for k in _SCALARS]
+        lines += [f"sms = {self.sms}"] + ([f"gemm_best_shape = {list(self.gemm_best_shape)}"]
+                                          if self.gemm_best_shape else [])
+        lines += [f"{k} = {d[f] / 2**20!r}" for k, f in _HALF.items()]
         lines.append(f"\n[{self.name}.efficiency]")
         lines += [f"{k} = {v!r}" for k, v in d["efficiency"].items()]
         if self.sources:
@@ -89,6 +126,9 @@ _RATES = {"hbm_tb_s": 1e12, "nvlink_gb_s": 1e9, "network_gb_s": 1e9, "pcie_gb_s"
 _RATE_FIELDS = {"hbm_tb_s": "hbm_bytes_per_s", "nvlink_gb_s": "intra_node_bytes_per_s",
                 "network_gb_s": "inter_node_bytes_per_s", "pcie_gb_s": "pcie_bytes_per_s",
                 "host_gb_s": "host_bytes_per_s"}
+_SCALARS = ("kernel_s", "cpu_op_s", "cuda_launch_s", "cpu_fsdp_collective_s", "cpu_optimizer_tensor_s", "intra_node_latency_s", "inter_node_latency_s",
+            "nccl_sm_fraction")
+_HALF = {"intra_node_half_mib": "intra_node_half_bytes", "inter_node_half_mib": "inter_node_half_bytes"}
 _DTYPES = {"bf16_tflops": "bfloat16", "fp16_tflops": "float16", "fp32_tflops": "float32",
            "bfloat16_tflops": "bfloat16", "float16_tflops": "float16", "float32_tflops": "float32"}
 
@@ -105,14 +145,22 @@ def _parse(name: str, table: dict, defaults: dict, origin: str) -> Hardware:
     unknown = set(efficiency) - set(EFFICIENCIES)
     if unknown:
         raise ValueError(f"{where}: unknown efficiency {sorted(unknown)}; known: {sorted(EFFICIENCIES)}.")
-    missing = [k for k in (*_RATES, "memory", "kernel_s", "cpu_op_s", "intra_node_latency_s",
-                           "inter_node_latency_s") if k not in merged] + \
-        [f"efficiency.{k}" for k in EFFICIENCIES if k not in efficiency]
+    missing = [k for k in (*_RATES, *_SCALARS, *_HALF, "memory", "sms") if k not in merged] + \
+        [f"efficiency.{k}" for k in EFFICIENCIES if k not in efficiency and k not in OPTIONAL]
     if missing:
         raise ValueError(f"{where}: missing {missing}; give each (see cpbench/harness/project/gpus.toml).")
     sdpa = merged.get("sdpa_kernel", "flash")
     if sdpa not in SDPA_KERNELS:
         raise ValueError(f"{where}: sdpa_kernel = {sdpa!r}: give one of {list(SDPA_KERNELS)}.")
+    capability, cudnn = _capability(merged, where), _cudnn_version(merged, where)
+    shape = merged.get("gemm_best_shape")
+    if shape is not None and not (isinstance(shape, list) and len(shape) == 3
+                                  and all(isinstance(v, int) and v > 0 for v in shape)):
+        raise ValueError(f"{where}: gemm_best_shape = {shape!r}: give the [m, n, k] the gemm efficiency was measured "
+                         "at, e.g. [2048, 2048, 13312].")
+    if not 0 <= float(merged["nccl_sm_fraction"]) < 1:
+        raise ValueError(f"{where}: nccl_sm_fraction = {merged['nccl_sm_fraction']}: give the share of the SMs NCCL "
+                         "takes, in [0, 1).")
     for k, v in efficiency.items():
         if not 0 < v <= 1:
             raise ValueError(f"{where}: efficiency.{k} = {v}: give a fraction of the peak in (0, 1].")
@@ -125,8 +173,31 @@ def _parse(name: str, table: dict, defaults: dict, origin: str) -> Hardware:
                                                                             field_name=f"{where} memory"),
         peak_flops=peaks, **{_RATE_FIELDS[k]: float(merged[k]) * u for k, u in _RATES.items()},
         efficiency=efficiency, sources=sources, device_names=tuple(merged.get("device_names", ())), sdpa_kernel=sdpa,
-        **{k: float(merged[k]) for k in ("kernel_s", "cpu_op_s", "intra_node_latency_s", "inter_node_latency_s")},
+        capability=capability, cudnn_version=cudnn, sms=int(merged["sms"]),
+        gemm_best_shape=tuple(shape) if shape else None,
+        **{k: float(merged[k]) for k in _SCALARS}, **{f: float(merged[k]) * 2**20 for k, f in _HALF.items()},
     )
+
+
+def _capability(merged: dict, where: str) -> tuple | None:
+    value = merged.get("capability")
+    if value is None:
+        return None
+    if (not isinstance(value, list) or len(value) != 2 or not all(isinstance(v, int) and v >= 0 for v in value)):
+        raise ValueError(f"{where}: capability = {value!r}: give the CUDA compute capability as [major, minor], "
+                         "e.g. capability = [9, 0] for an H100.")
+    return tuple(value)
+
+
+def _cudnn_version(merged: dict, where: str) -> tuple | None:
+    value = merged.get("cudnn_version")
+    if value is None:
+        return None
+    parts = str(value).split(".") if isinstance(value, str) else []
+    if len(parts) != 3 or not all(p.isdigit() for p in parts):
+        raise ValueError(f"{where}: cudnn_version = {value!r}: give the cuDNN of the torch build the profile stands "
+                         "for as \"major.minor.patch\", e.g. cudnn_version = \"9.20.0\" (torch 2.13's wheels).")
+    return tuple(int(p) for p in parts)
 
 
 def builtin() -> dict[str, Hardware]:

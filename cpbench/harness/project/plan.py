@@ -2,21 +2,29 @@
 
 The search covers cp size (the powers of two up to the GPUs), style (Ulysses, the zigzag ring, USP at each
 Ulysses degree; others on request), attention backend, and a ladder of memory levers, each rung keeping the ones
-below (they only add time): none; recompute + chunked loss; + activation offload; + tiled MLP; + parameter offload.
-Every configuration tried is a projected row of one run (estimate.py's machinery: memory on both sides, and time
-on the GPU profile), so `cpbench report` reads the search.
+below (they only add time): none; the chunked loss; + recompute; + activation offload; + tiled MLP; + parameter
+offload. Every configuration tried is a projected row of one run (estimate.py's machinery: memory on both sides,
+and time on the GPU profile), so `cpbench report` reads the search.
+
+The search goes by cp size, largest first, one level at a time: every configuration of a level is projected (side
+by side, `jobs` at once), then the level's results decide what the next level tries. What is pruned depends only
+on finished levels, never on which projection of a level finished first, so the ranking does not depend on
+`--jobs` or on timing; `prune=False` projects everything the memory floor allows (the test that pruning never
+changes the best configuration compares the two).
 
 Pruning, each said in the output:
 - a rung whose analytic floor (`floor_bytes`) already passes the device's memory is not projected;
-- per style, cp sizes are tried from the largest down and a smaller cp starts at the rung the larger one needed
-  (it holds more per rank); when no rung fits at a cp, smaller ones are not tried;
+- per configuration (backend, style, Ulysses degree), a smaller cp starts at the rung the larger one needed (it
+  holds more per rank); when no rung fits at a cp, smaller ones are not tried. A cp whose projection failed (an
+  error, a skip) is said in its row and the next smaller cp is still tried, from the same rung;
 - the first rung that fits ends a cp (the higher ones only add time);
-- a smaller cp is not tried when it cannot be faster than the best found so far by `min_gain`: its compute per
-  token is the larger cp's (the same work, split over the same GPUs), so its tokens/s are at most the larger
-  cp's tokens over that cp's compute and optimizer time;
-- USP runs after the other styles, and is not tried at a cp where the zigzag ring's bound is not above the best:
-  its attention is the zigzag ring's, on groups of `degree` ranks (the same pairs, the same tile kernel), with
-  all-to-alls on top.
+- a smaller cp is not tried when it cannot beat the best of the finished levels by `min_gain`: its tokens/s are at
+  most the tokens per GPU over the larger cp's floor (timing.floor_seconds: its GEMMs and attention at their best
+  efficiencies, and for Ulysses its element-wise work at HBM speed; nothing else). Everything a smaller cp changes
+  only lowers its time per token above that floor (a ring's merges and steps, short tiles, heads per call, the
+  optimizer and the host spread over more tokens), never the floor itself;
+- USP, at each level after the other styles, is not tried where that bound of the zigzag ring at the same or a
+  larger cp (the same pairs and tile kernels: the same floor) is not above the best.
 """
 
 from __future__ import annotations
@@ -29,18 +37,20 @@ from cpbench.harness.project.estimate import Estimator, run_chains
 from cpbench.harness.project.hardware import load as load_hardware
 from cpbench.harness.run.sweep import pick_run_dir, writing
 from cpbench.harness.suite.presets import get_preset
-from cpbench.harness.suite.spec import load_suite
+from cpbench.harness.suite.spec import NO_STYLE, load_suite
 from cpbench.report.units import parse_bytes
 
 RUNGS = (
     {},
+    {"loss": "chunked"},
     {"activation_checkpointing": True, "loss": "chunked"},
     {"activation_checkpointing": True, "loss": "chunked", "offload_activations": True},
     {"activation_checkpointing": True, "loss": "chunked", "offload_activations": True, "tiled_mlp": "auto"},
     {"activation_checkpointing": True, "loss": "chunked", "offload_activations": True, "tiled_mlp": "auto",
      "offload_params": True},
 )
-RUNG_NAMES = ("none", "recompute + chunked loss", "+ activation offload", "+ tiled MLP", "+ parameter offload")
+RUNG_NAMES = ("none", "chunked loss", "recompute + chunked loss", "+ activation offload", "+ tiled MLP",
+              "+ parameter offload")
 
 
 @dataclass(kw_only=True)
@@ -63,6 +73,8 @@ class PlanOptions:
     run: str | None = None
     jobs: int = 2
     cp_plan: dict | None = None  # --cp-plan, resolved (presets.plan_from_flag): for a family without a default plan
+    prune: bool = True  # False: every configuration the memory floor allows (what pruning is tested against)
+    documents: str | list = "none"  # --documents: packed documents (suite/documents.py)
 
 
 def cp_sizes(gpus: int) -> list[int]:
@@ -107,6 +119,8 @@ def suite_text(opts: PlanOptions, attn: str, style: str, degree: int, cp: int, r
               "parity": "projected", "timeout_s": 7200, **rung}
     if style == "cp_usp":
         fields["cp_ulysses_degree"] = degree
+    if opts.documents != "none":
+        fields["documents"] = opts.documents
     lines = [f"{k} = {json.dumps(v)}" for k, v in fields.items()]
     if opts.overrides:
         lines.append("model_overrides = {" + ", ".join(f"{k} = {json.dumps(v)}" for k, v in opts.overrides.items())
@@ -118,64 +132,112 @@ def suite_text(opts: PlanOptions, attn: str, style: str, degree: int, cp: int, r
 
 
 class Search:
-    """The chains' shared state: the best tokens/s per GPU so far, and what was pruned and why."""
+    """The search's state between levels: the best tokens/s per GPU of the finished levels, each configuration's
+    starting rung and bound, and what was pruned and why."""
 
     def __init__(self, opts: PlanOptions, capacity: int, config):
         self.opts, self.capacity, self.config = opts, capacity, config
         self.best = 0.0
-        self.ring_bound: dict[int, float] = {}  # cp -> the zigzag ring's tokens/s per GPU at most (USP's too)
+        self.start: dict[tuple, int] = {}  # configuration -> the rung its next (smaller) cp starts at
+        self.bound: dict[tuple, float] = {}  # configuration -> tokens/s per GPU its smaller cps cannot pass
+        self.ended: set[tuple] = set()  # configurations whose smaller cps are not tried (said in `pruned`)
+        self.ring_bound: dict[int, float] = {}  # cp -> the zigzag ring's bound there (USP's too)
         self.pruned: list[str] = []
         self.suites: dict[str, str] = {}  # point_id -> its suite text
+        self._level: list[tuple] = []  # (configuration, cp, row) of the level running
 
-    def chain(self, attn: str, style: str, degree: int):
-        cps = [c for c in cp_sizes(self.opts.gpus) if style != "cp_usp" or (c > degree and c % degree == 0)]
-        label = f"{style}{f'-u{degree}' if style == 'cp_usp' else ''}/{attn}"
-        start, bound = 0, None
-        for cp in cps:
-            if cp == 1 and style != self.opts.styles[0]:
-                return  # cp 1 has no style: tried once, on the first style's chain
-            if bound is not None and bound <= self.best * (1 + self.opts.min_gain):
-                self.pruned.append(f"{label} cp <= {cp}: at most {bound:.4g} tok/s/GPU (the compute of cp {cp * 2}), "
-                                   f"not {100 * self.opts.min_gain:g} % above the best {self.best:.4g}")
-                return
-            # the ring's bound at this cp or a larger one (a smaller cp's compute per token is the larger one's)
-            ring = min((b for c, b in self.ring_bound.items() if c >= cp), default=None) if style == "cp_usp" else None
-            if ring is not None and ring <= self.best * (1 + self.opts.min_gain):
-                self.pruned.append(f"{label} cp {cp}: at most {ring:.4g} tok/s/GPU (its attention is the zigzag "
-                                   f"ring's), not {100 * self.opts.min_gain:g} % above the best "
-                                   f"{self.best:.4g}")
+    @staticmethod
+    def label(key: tuple) -> str:
+        attn, style, degree = key
+        return f"{style}{f'-u{degree}' if style == 'cp_usp' else ''}/{attn}"
+
+    def cps(self, key: tuple) -> list[int]:
+        _, style, degree = key
+        return [c for c in cp_sizes(self.opts.gpus) if (c > 1 or style == self.opts.styles[0])
+                and (style != "cp_usp" or (c > degree and c % degree == 0))]
+
+    def level(self, cp: int, keys: list[tuple]) -> list:
+        """The chains of one cp level: a configuration each, those that pruning leaves (decided now, from the
+        finished levels only)."""
+        chains = []
+        for key in keys:
+            if key in self.ended or cp not in self.cps(key):
                 continue
-            fit, invalid = None, False
-            for i in range(start, len(RUNGS)):
-                tokens = self.opts.seq // cp
-                if floor_bytes(self.config, tokens, RUNGS[i]) > self.capacity:
-                    self.pruned.append(f"{label} cp {cp} {RUNG_NAMES[i]}: its floor passes the device memory")
-                    continue
-                text = suite_text(self.opts, attn, style, degree, cp, RUNGS[i])
-                try:
-                    point = load_suite(f"plan {label} cp {cp}", text=text).points()[0]
-                except ValueError as e:  # this style cannot run at this cp (e.g. heads not shared over the group)
-                    self.pruned.append(f"{label} cp {cp}: {str(e).splitlines()[-1].strip()}")
-                    invalid = True
-                    break
-                self.suites[point.point_id] = text
-                row = yield point
-                if row["status"] == "ok":
-                    fit = i
-                    break
-                if row["status"] != "oom":
-                    break  # skipped or error: the row says why
-            if invalid:
-                continue  # not runnable at this cp (said above): a smaller one may be
-            if fit is None:
+            if self.opts.prune and self._beaten(key, cp):
+                continue
+            chains.append(self.config_chain(key, cp))
+        return chains
+
+    def _beaten(self, key: tuple, cp: int) -> bool:
+        gain = 1 + self.opts.min_gain
+        bound = self.bound.get(key)
+        if bound is not None and bound <= self.best * gain:
+            self.pruned.append(f"{self.label(key)} cp <= {cp}: at most {bound:.4g} tok/s/GPU (the floor of a larger "
+                               f"cp), not {100 * self.opts.min_gain:g} % above the best {self.best:.4g}")
+            self.ended.add(key)
+            return True
+        if key[1] == "cp_usp":
+            ring = min((b for c, b in self.ring_bound.items() if c >= cp), default=None)
+            if ring is not None and ring <= self.best * gain:
+                self.pruned.append(f"{self.label(key)} cp {cp}: at most {ring:.4g} tok/s/GPU (the zigzag ring's "
+                                   f"floor: the same pairs and tiles), not {100 * self.opts.min_gain:g} % above the "
+                                   f"best {self.best:.4g}")
+                return True
+        return False
+
+    def config_chain(self, key: tuple, cp: int):
+        """One configuration at one cp: its rungs from the one it starts at up to the first that fits."""
+        attn, style, degree = key
+        label, row = self.label(key), None
+        for i in range(self.start.get(key, 0), len(RUNGS)):
+            if floor_bytes(self.config, self.opts.seq // cp, RUNGS[i]) > self.capacity:
+                self.pruned.append(f"{label} cp {cp} {RUNG_NAMES[i]}: its floor passes the device memory")
+                continue
+            text = suite_text(self.opts, attn, style, degree, cp, RUNGS[i])
+            try:
+                point = load_suite(f"plan {label} cp {cp}", text=text).points()[0]
+            except ValueError as e:  # this style cannot run at this cp (e.g. heads not shared over the group)
+                self.pruned.append(f"{label} cp {cp}: {str(e).splitlines()[-1].strip()}")
                 return
-            row_tps = row["projected_tokens_per_s"] / self.opts.gpus
-            self.best = max(self.best, row_tps)
-            busy = row["projected_compute_s"] + row["projected_optimizer_s"]
-            bound = row["projected_tokens_per_s"] / self.opts.gpus * row["projected_step_s"] / busy
-            if style == "cp_ring_zigzag":
-                self.ring_bound[cp] = bound
-            start = fit
+            self.suites[point.point_id] = text
+            row = yield point
+            if row["status"] == "ok":
+                self._level.append((key, cp, i, row))
+                return
+            if row["status"] != "oom":
+                self._level.append((key, cp, None, row))  # an error or a skip: its row says why; smaller cps go on
+                return
+        self.pruned.append(f"{label} cp {cp}: no rung fits, so no smaller cp does (each holds more per rank)")
+        self.ended.add(key)
+
+    def finish_level(self) -> None:
+        """The finished level's results: the best, and each configuration's start rung and bound."""
+        for key, cp, rung, row in self._level:
+            if rung is None:
+                continue
+            self.start[key] = rung
+            tokens = row["projected_tokens_per_s"] / self.opts.gpus
+            self.best = max(self.best, tokens)
+            floor = row.get("floor_s")
+            if floor:
+                bound = tokens * row["projected_step_s"] / floor
+                self.bound[key] = min(self.bound.get(key, bound), bound)
+                if key[1] == "cp_ring_zigzag":
+                    self.ring_bound[cp] = bound
+        self._level = []
+
+
+class _Estimator(Estimator):
+    """The estimator, handing each row's floor (timing.floor_seconds, the slowest projected rank's) to the search;
+    the written row is the estimator's."""
+
+    def finish(self, point, records, error, wall_s):
+        row = super().finish(point, records, error, wall_s)
+        times = [r["time"] for r in records or () if r.get("time") and r["time"].get("floor_s")]
+        if not times:
+            return row
+        ringless = point.cp_style in ("cp_ulysses", NO_STYLE) or point.cp_size == 1  # no merges: per token the same
+        return {**row, "floor_s": max(t["floor_s"] + (t["floor_memory_s"] if ringless else 0.0) for t in times)}
 
 
 def run_plan(opts: PlanOptions, on_row=None) -> tuple[Path, Search]:
@@ -195,10 +257,12 @@ def run_plan(opts: PlanOptions, on_row=None) -> tuple[Path, Search]:
     run_dir = pick_run_dir(Path(opts.out) / base.name, opts.run, resume=False)
     search = Search(opts, capacity, config)
     with writing(run_dir, opts.run, False, False, "plan"):
-        estimator = Estimator(run_dir, base, capacity, on_row, host, opts.gpus // opts.nodes, hardware)
-        axes = candidates_for(opts, config)
-        for phase in ([a for a in axes if a[1] != "cp_usp"], [a for a in axes if a[1] == "cp_usp"]):  # USP last
-            run_chains(estimator, [search.chain(attn, style, degree) for attn, style, degree in phase], opts.jobs)
+        estimator = _Estimator(run_dir, base, capacity, on_row, host, opts.gpus // opts.nodes, hardware)
+        keys = candidates_for(opts, config)
+        for cp in cp_sizes(opts.gpus):  # one level at a time, largest first; USP after the other styles
+            for phase in ([k for k in keys if k[1] != "cp_usp"], [k for k in keys if k[1] == "cp_usp"]):
+                run_chains(estimator, search.level(cp, phase), opts.jobs)
+                search.finish_level()
     return run_dir, search
 
 

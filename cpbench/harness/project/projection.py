@@ -90,6 +90,20 @@ def _mesh(point: Point):
     return build_mesh(config, "cpu")
 
 
+def kernel_target_of(point: Point, hardware=None):
+    """The GPU a projection's kernels are chosen for: the profile's capability and cuDNN (and the SDPA kernel it
+    names, which `--sdpa-kernel` overrides), as torch chooses on that card; a CUDA point without a profile, or a
+    profile that names no capability, stands for an A100 (cp/ring/target.py)."""
+    from cpbench.cp.ring.target import SDPA_KERNELS, KernelTarget
+
+    if point.device != "cuda" or hardware is None or getattr(hardware, "capability", None) is None:
+        return point.device
+    sdpa = getattr(hardware, "sdpa_kernel", None)  # "fa3"/"fa4" price a model's own call: the ring keeps torch's rule
+    return KernelTarget(device="cuda", capability=tuple(hardware.capability),
+                        cudnn_version=getattr(hardware, "cudnn_version_number", None),
+                        sdpa_kernel=sdpa if sdpa in SDPA_KERNELS else None)
+
+
 def project_rank(point: Point, rank: int, hardware=None, gpus_per_node: int = 8, keep_trace: bool = False) -> dict:
     """One rank's record, like a measured rank's (worker.run_point) without parity; with a GPU profile
     (`hardware`), its projected time (timing.py). `keep_trace`: the record keeps the op trace (`trace`), for
@@ -102,7 +116,7 @@ def project_rank(point: Point, rank: int, hardware=None, gpus_per_node: int = 8,
         with fake_tensors() as mode:
             model = step.build_model(point, "cpu")
             num_params = sum(p.numel() for p in model.parameters())
-            model = step.distribute(model, point, mesh=mesh, kernel_device=point.device)
+            model = step.distribute(model, point, mesh=mesh, kernel_device=kernel_target_of(point, hardware))
             with unset_fake_temporarily():
                 batch = step.make_batch(point, model.config.vocab_size, "cpu")
             batch = known(mode, batch)

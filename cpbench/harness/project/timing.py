@@ -19,6 +19,7 @@ The step ends when every stream is done. The breakdown: `compute_s` (the compute
 
 from __future__ import annotations
 
+from cpbench.harness.project import efficiency
 from cpbench.harness.project.hardware import Hardware
 from cpbench.harness.project.trace import Op
 
@@ -29,13 +30,17 @@ BREAKDOWN = ("compute_s", "optimizer_s", "comm_exposed_s", "transfer_exposed_s",
 
 def collective_seconds(kind: str, nbytes: float, group: int, crosses_nodes: bool, hw: Hardware) -> float:
     """One collective of `group` ranks: `nbytes` is what this rank hands to it (an all-gather's shard, the whole
-    input of a reduce-scatter, all-to-all or all-reduce, a received block for point-to-point)."""
+    input of a reduce-scatter, all-to-all or all-reduce, a received block for point-to-point). NCCL reaches its
+    large-message bus bandwidth only on large messages: at `*_half_bytes` (nccl-tests' size: an all-gather's whole
+    output, the others' input) it moves at half of it."""
     if group <= 1 and kind != "p2p":
         return 0.0
-    link, eff, latency = ((hw.inter_node_bytes_per_s, hw.efficiency["inter_node"], hw.inter_node_latency_s)
-                          if crosses_nodes else
-                          (hw.intra_node_bytes_per_s, hw.efficiency["intra_node"], hw.intra_node_latency_s))
-    bw = link * eff
+    link, eff, latency, half = ((hw.inter_node_bytes_per_s, hw.efficiency["inter_node"], hw.inter_node_latency_s,
+                                 hw.inter_node_half_bytes) if crosses_nodes else
+                                (hw.intra_node_bytes_per_s, hw.efficiency["intra_node"], hw.intra_node_latency_s,
+                                 hw.intra_node_half_bytes))
+    size = nbytes * group if kind == "all_gather" else nbytes
+    bw = link * eff * size / (size + half) if size else link * eff
     if kind == "all_gather":  # each rank receives the other n-1 shards
         return nbytes * (group - 1) / bw + latency * (group - 1)
     if kind in ("reduce_scatter", "all_to_all"):  # each rank sends (n-1)/n of its input
@@ -47,11 +52,20 @@ def collective_seconds(kind: str, nbytes: float, group: int, crosses_nodes: bool
     raise ValueError(f"unknown collective kind {kind!r}")
 
 
+_SDPA_FAMILY = {"flash": "", "cudnn": "_cudnn", "efficient": "_efficient", "fa3": "_fa3", "fa4": "_fa4"}
+
+
 def efficiency_key(kind: str, hw: Hardware) -> str:
     """The efficiency an op's kind is priced at: a model's own SDPA call runs the kernel SDPA picks on the GPU."""
     if kind.startswith("attention_sdpa_"):
-        return kind.replace("_sdpa", {"flash": "", "cudnn": "_cudnn", "efficient": "_efficient"}[hw.sdpa_kernel])
+        return kind.replace("_sdpa", _SDPA_FAMILY[hw.sdpa_kernel])
     return kind
+
+
+def kernel_class(key: str) -> tuple[str, str]:
+    """(kernel class, direction) of an attention efficiency key: attention_cudnn_forward -> (cudnn, forward)."""
+    parts = key.split("_")
+    return (parts[1] if len(parts) == 3 else "flash"), parts[-1]
 
 
 def op_seconds(op: Op, hw: Hardware, dtype: str) -> float:
@@ -64,10 +78,29 @@ def op_seconds(op: Op, hw: Hardware, dtype: str) -> float:
     if op.stream == "host":
         return op.bytes / (hw.host_bytes_per_s * hw.efficiency["host"])
     memory = op.bytes / (hw.hbm_bytes_per_s * hw.efficiency["memory"])
+    if op.kind == "gemm":
+        return max(efficiency.gemm_seconds(op.flops, op.bytes, op.shape, hw, dtype), hw.kernel_s)
     if op.flops:
-        math = op.flops / (hw.peak(dtype) * hw.efficiency[efficiency_key(op.kind, hw)])
-        return max(math, memory, hw.kernel_s)
+        key = efficiency_key(op.kind, hw)
+        if key not in hw.efficiency:
+            raise ValueError(f"GPU profile {hw.name!r} has no efficiency.{key}: {kernel_class(key)[0]} does not run "
+                             f"on it (or give the figure in the profile); price its calls as another kernel.")
+        eff = hw.efficiency[key]
+        if key.startswith("attention"):
+            eff *= efficiency.attention_factor(*kernel_class(key), op.shape, hw)
+        return max(op.flops / (hw.peak(dtype) * eff), memory, hw.kernel_s)
     return max(memory, hw.kernel_s)
+
+
+def host_seconds(op: Op, hw: Hardware) -> float:
+    """The host's time to issue `op`: torch's dispatch of an op of the forward and backward, with FSDP2's hooks for
+    an all-gather or reduce-scatter, or the optimizer step's ops by the tensors they take (dispatch.py measures
+    each), and the driver's launch of its kernel (`cuda_launch_s`)."""
+    if op.phase == "optimizer":
+        return hw.cpu_optimizer_tensor_s * op.tensors + hw.cuda_launch_s
+    if op.stream in ("ag", "rs") and op.kind in COLLECTIVE_KINDS:
+        return hw.cpu_op_s + hw.cpu_fsdp_collective_s + hw.cuda_launch_s
+    return hw.cpu_op_s + hw.cuda_launch_s
 
 
 def simulate(ops: list[Op], hw: Hardware, dtype: str) -> dict:
@@ -79,11 +112,12 @@ def simulate(ops: list[Op], hw: Hardware, dtype: str) -> dict:
     comm_s = flops = 0.0
     ag_gate = 0.0
     in_optimizer = False
+    busy: list[tuple[float, float]] = []  # the collectives' (start, end): NCCL's kernels hold SMs meanwhile
     for op in ops:
         if op.kind == "sync":  # the host waits for the GPU
             clock["cpu"] = max(clock["cpu"], clock["compute"])
             continue
-        clock["cpu"] += hw.cpu_op_s
+        clock["cpu"] += host_seconds(op, hw)
         dur = op_seconds(op, hw, dtype)
         flops += op.flops
         dep, why = max(((ready[k][0], ready[k][1]) for k in op.reads if k in ready), default=(0.0, "comm"))
@@ -91,13 +125,18 @@ def simulate(ops: list[Op], hw: Hardware, dtype: str) -> dict:
             waits = [clock["cpu"], clock[op.stream], dep] + ([ag_gate] if op.stream == "ag" else [clock["compute"]])
             end = max(waits) + dur
             clock[op.stream] = end
-            comm_s += dur if op.kind in COLLECTIVE_KINDS else 0.0
+            if op.kind in COLLECTIVE_KINDS:
+                comm_s += dur
+                busy.append((end - dur, end))
             made_by = "transfer" if op.kind in ("h2d", "d2h") else "comm"
         else:
             if op.phase == "optimizer" and not in_optimizer:  # FSDP2's root waits for the last reduction
                 in_optimizer = True
                 dep, why = max((dep, why), (max(clock[s] for s in COMM_STREAMS), "comm"))
             start = max(clock["compute"], clock["cpu"], dep)
+            if op.stream != "host" and op.kind not in ("h2d", "d2h") and busy:
+                busy = [b for b in busy if b[1] > start] if len(busy) > 64 else busy
+                dur = _beside_collectives(start, dur, busy, hw.nccl_sm_fraction)
             gap = start - clock["compute"]
             if gap > 0:
                 out["overhead_s" if clock["cpu"] >= dep else f"{why}_exposed_s"] += gap
@@ -115,4 +154,58 @@ def simulate(ops: list[Op], hw: Hardware, dtype: str) -> dict:
             ready[key] = (end, made_by)
     end = max(clock[s] for s in ("compute", *COMM_STREAMS))
     out["comm_exposed_s"] += end - clock["compute"]  # the tail: the last reductions after the last kernel
-    return {"step_s": end, **out, "comm_s": comm_s, "executed_flops": flops}
+    return {"step_s": end, **out, "comm_s": comm_s, "executed_flops": flops,
+            "attention_kernels": attention_kernels(ops, hw), "floor_s": floor_seconds(ops, hw, dtype),
+            "floor_memory_s": floor_memory_seconds(ops, hw)}
+
+
+def floor_memory_seconds(ops: list[Op], hw: Hardware) -> float:
+    """The element-wise work of the step at HBM speed with no kernel floor, FSDP2's copies left out: the same per
+    token at every cp size where no ring merges partial results (Ulysses, cp 1), so `cpbench plan` adds it to
+    `floor_seconds` there."""
+    rate = hw.hbm_bytes_per_s * hw.efficiency["memory"]
+    return sum(op.bytes for op in ops if op.phase == "step" and op.stream == "compute" and op.kind == "memory"
+               and not op.name.startswith("fsdp.")) / rate
+
+
+def floor_seconds(ops: list[Op], hw: Hardware, dtype: str) -> float:
+    """A time no configuration of the same model, tokens per GPU, kernels and levers can beat: its GEMMs at the main
+    loop's full-wave efficiency and its attention at the best its kernel's curves reach, nothing else (element-wise
+    work, collectives, the host and every kernel's floor left out). What a cp size changes (the ring's merges and
+    steps, short tiles, heads per call) only adds to it, so `cpbench plan` prunes by it."""
+    total = 0.0
+    for op in ops:
+        if op.phase != "step" or not op.flops:
+            continue
+        if op.kind == "gemm":
+            total += op.flops / (hw.peak(dtype) * efficiency.gemm_core(hw, dtype))
+        elif op.kind.startswith("attention"):
+            key = efficiency_key(op.kind, hw)
+            if key in hw.efficiency:
+                total += op.flops / (hw.peak(dtype) * hw.efficiency[key] * efficiency.best_factor(*kernel_class(key),
+                                                                                                   hw))
+    return total
+
+
+def _beside_collectives(start: float, dur: float, busy: list, share: float) -> float:
+    """A kernel's duration when NCCL holds `share` of the SMs while a collective runs beside it: it progresses at
+    1 - share of its speed for the time it overlaps one (the collectives issued so far)."""
+    if not share:
+        return dur
+    spans = sorted((max(a, start), min(b, start + dur)) for a, b in busy if b > start and a < start + dur)
+    overlap, reach = 0.0, start
+    for a, b in spans:  # their union, so that concurrent collectives count once
+        a = max(a, reach)
+        if b > a:
+            overlap, reach = overlap + b - a, b
+    return dur + overlap * share / (1 - share)
+
+
+def attention_kernels(ops: list[Op], hw: Hardware) -> str:
+    """The attention kernels the step's calls run on `hw`, with their forward call counts: e.g. 'cudnn:576'."""
+    counts: dict[str, int] = {}
+    for op in ops:
+        if op.kind.startswith("attention") and op.kind.endswith("_forward"):
+            name = kernel_class(efficiency_key(op.kind, hw))[0]
+            counts[name] = counts.get(name, 0) + 1
+    return ",".join(f"{k}:{v}" for k, v in sorted(counts.items()))

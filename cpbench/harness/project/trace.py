@@ -27,6 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from cpbench.harness.measure.collectives import _OPS as COLLECTIVES
+from cpbench.harness.project import work
 
 
 class Op(NamedTuple):
@@ -41,6 +42,11 @@ class Op(NamedTuple):
     writes: tuple
     group: int = 1  # a collective's group size
     crosses_nodes: bool = False
+    name: str = ""  # the aten (or library) op, e.g. "aten.mm"
+    # what a kernel's efficiency depends on (work.py): a GEMM's (m, n, k, groups), an attention call's (queries,
+    # keys, head dim, causal, batch x heads)
+    shape: tuple = ()
+    tensors: int = 1  # the tensors the op takes (a foreach op: its lists'): its host cost in the optimizer step
 
 
 _FREE_PREFIXES = ("profiler.", "prim.", "fsdp.copy_")  # bookkeeping ops and queries: no kernel
@@ -49,28 +55,6 @@ _FREE = {"aten.detach", "aten.alias", "aten.empty", "aten.empty_like", "aten.emp
          "aten._unsafe_view", "aten.view", "aten._reshape_alias", "aten.t", "aten.sym_size", "aten.sym_stride",
          "aten.sym_numel", "aten.is_same_size", "aten.sym_storage_offset", "aten._has_compatible_shallow_copy_type"}
 _SYNC = {"aten._local_scalar_dense", "aten.nonzero", "aten.item", "aten.equal", "aten.is_nonzero"}
-_GEMM = {"aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten._scaled_mm"}
-# attention kernel -> (direction, kernel family, index of `is_causal` among the arguments, layout of q/k: bhsd | bshd)
-_ATTENTION = {
-    # torch's CPU flash kernel: what a projection's fake CPU tensors dispatch where the model calls SDPA itself
-    # (no CP, Ulysses); a CUDA run takes the flash kernel there (or, with a mask, the memory-efficient one)
-    "aten._scaled_dot_product_flash_attention_for_cpu": ("forward", "", 4, "bhsd"),
-    "aten._scaled_dot_product_flash_attention_for_cpu_backward": ("backward", "", 7, "bhsd"),
-    "aten._scaled_dot_product_flash_attention": ("forward", "", 4, "bhsd"),
-    "aten._scaled_dot_product_flash_attention_backward": ("backward", "", 11, "bhsd"),
-    "aten._scaled_dot_product_efficient_attention": ("forward", "_efficient", 6, "bhsd"),
-    "aten._scaled_dot_product_efficient_attention_backward": ("backward", "_efficient", 11, "bhsd"),
-    "aten._scaled_dot_product_cudnn_attention": ("forward", "_cudnn", 6, "bhsd"),
-    "aten._scaled_dot_product_cudnn_attention_backward": ("backward", "_cudnn", 9, "bhsd"),
-    "aten._flash_attention_forward": ("forward", "", 8, "bshd"),
-    "aten._flash_attention_backward": ("backward", "", 11, "bshd"),
-    "aten._efficient_attention_forward": ("forward", "_efficient", None, "bshd"),
-    "aten._efficient_attention_backward": ("backward", "_efficient", None, "bshd"),
-    "flash_attn._flash_attn_forward": ("forward", "", 5, "bshd"),
-    "flash_attn._flash_attn_backward": ("backward", "", 8, "bshd"),
-    "flash_attn._flash_attn_varlen_forward": ("forward", "", 9, "bshd"),
-    "flash_attn._flash_attn_varlen_backward": ("backward", "", 12, "bshd"),
-}
 
 
 def _tensors(tree) -> list[torch.Tensor]:
@@ -83,47 +67,6 @@ def _key(t: torch.Tensor) -> int:
 
 def _nbytes(ts) -> int:
     return sum(t.numel() * t.element_size() for t in ts)
-
-
-def causal_pairs(q_len: int, k_len: int) -> int:
-    """Query-key pairs a causal kernel computes, queries aligned to the first key (torch's `is_causal`)."""
-    if q_len <= k_len:
-        return q_len * (q_len + 1) // 2
-    return k_len * (k_len + 1) // 2 + (q_len - k_len) * k_len
-
-
-def attention_flops(name: str, args) -> float:
-    """FLOPs of one attention kernel call: forward 4 x pairs x head_dim per head (QK^T and PV), backward 2.5 x that
-    (five matmuls against two: the FlashAttention papers' convention). A causal call counts the pairs it keeps; a
-    varlen call counts each document's own pairs when its offsets are known."""
-    direction, _, causal_at, layout = _ATTENTION[name]
-    q, k = (args[1], args[2]) if direction == "backward" else (args[0], args[1])
-    causal = bool(args[causal_at]) if causal_at is not None and len(args) > causal_at else False
-    if layout == "bhsd":
-        batch, heads, q_len, dim = q.shape
-        k_len = k.shape[-2]
-        pairs = batch * (causal_pairs(q_len, k_len) if causal else q_len * k_len)
-    else:  # [batch, seq, heads, dim], or varlen [tokens, heads, dim] with offsets
-        heads, dim = q.shape[-2], q.shape[-1]
-        pairs = _varlen_pairs(name, args, q, k, causal)
-    forward = 4.0 * pairs * heads * dim
-    return forward * (2.5 if direction == "backward" else 1.0)
-
-
-def _varlen_pairs(name: str, args, q, k, causal: bool) -> int:
-    if q.dim() == 4:
-        lengths = [(q.shape[1], k.shape[1])] * q.shape[0]
-    else:
-        at = {"aten._flash_attention_forward": 3, "aten._flash_attention_backward": 6,
-              "flash_attn._flash_attn_varlen_forward": 3, "flash_attn._flash_attn_varlen_backward": 7}.get(name)
-        lengths = [(q.shape[0], k.shape[0])]
-        if at is not None and args[at] is not None:
-            try:  # the offsets are known values in a projection when they derive from the batch's positions
-                cq, ck = args[at].tolist(), args[at + 1].tolist()
-                lengths = [(cq[i + 1] - cq[i], ck[i + 1] - ck[i]) for i in range(len(cq) - 1)]
-            except Exception:  # noqa: BLE001 - unknown offsets: one sequence of all the tokens (an upper bound)
-                pass
-    return sum(causal_pairs(a, b) if causal else a * b for a, b in lengths)
 
 
 def _group(args, kwargs) -> tuple[int, list[int]]:
@@ -189,7 +132,8 @@ class StepTrace(TorchDispatchMode):
         if self.ledger is not None and self.ledger.moving:
             return  # the ledger's own copy of an offloaded tensor: priced as the transfer it stands for
         if name in _SYNC:
-            self.ops.append(Op("compute", "sync", self.phase, 0.0, 0.0, (), ()))
+            if not (self.phase == "optimizer" and _host_scalar(args)):
+                self.ops.append(Op("compute", "sync", self.phase, 0.0, 0.0, (), (), name=name))
             return
         schema = getattr(func, "_schema", None)
         collective = COLLECTIVES.get(schema.name) if schema is not None else None
@@ -204,20 +148,24 @@ class StepTrace(TorchDispatchMode):
         reads = tuple({_key(t) for t in inputs})
         written = outputs + _tensors((kwargs or {}).get("out"))  # an in-place op returns the tensor it wrote
         writes = tuple({_key(t) for t in written})
+        shape = ()
         if name == "fsdp.split_with_sizes_copy":
             kind, flops = "copy_out", 0.0  # FSDP2's all-gather copy-out: the next all-gather may start after it
-        elif name in _GEMM:
-            kind, flops = "gemm", _gemm_flops(name, args)
-        elif name in _ATTENTION:
-            direction, family, _, _ = _ATTENTION[name]
-            if name.endswith(("_for_cpu", "_for_cpu_backward")):  # the model's own SDPA call
-                # a mask: CUDA's SDPA takes the memory-efficient kernel; else the one the GPU's torch prefers
-                family = "_efficient" if (kwargs or {}).get("attn_mask") is not None else "_sdpa"
-            kind, flops = f"attention{family}_{direction}", attention_flops(name, args)
+        elif name in work.GEMM:
+            kind, (flops, shape) = "gemm", work.gemm(name, args)
+        elif name in work.ATTENTION:
+            spec = work.ATTENTION[name]
+            family = spec.family
+            if family == "_sdpa" and _arg(func, args, kwargs, "attn_mask") is not None:
+                family = "_efficient"  # the model's own SDPA call with a mask: CUDA's SDPA takes this kernel
+            flops, shape = work.attention(name, args, kwargs)
+            kind = f"attention{family}_{spec.direction}"
         else:
             kind, flops = "memory", 0.0
-        moved = _nbytes(inputs) + _nbytes(outputs)  # read, then written (an in-place op: both; `out=` is an input)
-        self.ops.append(Op(stream, kind, self.phase, float(flops), float(moved), reads, writes))
+        moved = work.moved_bytes(name, args, kwargs, inputs, outputs)
+        self.ops.append(Op(stream, kind, self.phase, float(flops), float(moved), reads, writes, name=name,
+                           shape=shape + (work.tensor_bytes(outputs[0]),) if kind == "gemm" and outputs else shape,
+                           tensors=len(inputs)))
         for key in writes:
             self._stream_of[key] = stream
 
@@ -245,13 +193,18 @@ class StepTrace(TorchDispatchMode):
             self._stream_of[_key(t)] = stream
 
 
-def _gemm_flops(name: str, args) -> float:
-    if name == "aten.addmm":
-        a, b = args[1], args[2]
-    elif name == "aten.baddbmm":
-        a, b = args[1], args[2]
-    else:
-        a, b = args[0], args[1]
-    batch = a.shape[0] if a.dim() == 3 else 1
-    m, k = a.shape[-2], a.shape[-1]
-    return 2.0 * batch * m * k * b.shape[-1]
+def _arg(func, args, kwargs, name: str):
+    """An op's argument by its schema name (positional or keyword), or None."""
+    if kwargs and name in kwargs:
+        return kwargs[name]
+    schema = getattr(func, "_schema", None)
+    for i, a in enumerate(schema.arguments if schema is not None else ()):
+        if a.name == name:
+            return args[i] if i < len(args) else None
+    return None
+
+
+def _host_scalar(args) -> bool:
+    """A 0-dim tensor read back in the optimizer step: AdamW's `step` count, which torch keeps on the host unless the
+    optimizer is capturable or fused (torch/optim/adam.py), so reading it waits for no GPU work."""
+    return bool(args) and isinstance(args[0], torch.Tensor) and args[0].dim() == 0

@@ -15,7 +15,7 @@ import json
 import statistics
 
 from cpbench.harness.measure.env import now_iso
-from cpbench.harness.measure.flops import no_peak_reason, peak_flops, train_step_flops
+from cpbench.harness.measure.flops import attention_pairs_per_rank, no_peak_reason, peak_flops, train_step_flops
 from cpbench.harness.suite.presets import get_preset
 from cpbench.harness.suite.spec import Point
 from cpbench.report.runs.schema import SCHEMA_VERSION
@@ -47,15 +47,32 @@ def base_row(point: Point, *, run_id: str, env: dict, budget: int | None, measur
     return row
 
 
-def model_flops(point: Point, config) -> float:
+def model_flops(point: Point, config, batch: dict | None = None) -> float:
     """Model FLOPs of the point's training step over the whole world, counted on the point's own batch (its packed
     documents and padding: flops.py), once per data-parallel replica (a cp group shares one batch)."""
-    from cpbench.harness.measure.step import make_batch
+    if batch is None:
+        from cpbench.harness.measure.step import make_batch
 
-    batch = make_batch(point, config.vocab_size, "cpu")
+        batch = make_batch(point, config.vocab_size, "cpu")
     per_batch = train_step_flops(config, point.seq_len, point.batch_size, position_ids=batch["position_ids"],
                                  attention_mask=batch.get("attention_mask"))
     return float(per_batch * _dp(point))
+
+
+def attention_work(point: Point) -> dict:
+    """How the attention work spreads over the cp ranks (flops.attention_pairs_per_rank): each rank's pairs in one
+    layer's forward, the busiest rank's, and max / mean (1: balanced). The same count for a measured and a projected
+    row: it is the point's batch under the layout its style makes, not a timing. A finished row's only (none for the
+    attention op alone, whose peers lay out their own sequences)."""
+    if point.level != "model":
+        return {}
+    from cpbench.harness.measure.step import make_batch
+
+    config = get_preset(point.preset).config(point.model_overrides)
+    per_rank = attention_pairs_per_rank(point, config, make_batch(point, config.vocab_size, "cpu"))
+    mean = sum(per_rank) / len(per_rank)
+    return {"attention_pairs": max(per_rank), "attention_pairs_per_rank": per_rank,
+            "attention_imbalance": max(per_rank) / mean if mean else 1.0}
 
 
 def _dp(point: Point) -> int:
@@ -87,6 +104,7 @@ def measured_row(point: Point, records: list[dict], wall_s: float, **ctx) -> dic
         params_bytes=top["params_bytes"], grads_bytes=top["grads_bytes"], optimizer_bytes=top["optimizer_bytes"],
         activations_bytes=top["activations_bytes"], temporaries_bytes=top.get("temporaries_bytes"),
         **_comm_columns(records), **_host_columns(records, ctx.get("gpus_per_node") or point.world_size),
+        **attention_work(point),
     )
     moved = [name for name, on in (("activations", point.offload_activations), ("parameters and optimizer state",
                                     point.offload_params)) if on]
@@ -118,7 +136,11 @@ def projected_time_columns(records: list[dict], flops: float, point: Point) -> d
     slowest = max(times, key=lambda t: t["step_s"])
     step_s = slowest["step_s"]
     parts = ("compute_s", "optimizer_s", "comm_exposed_s", "transfer_exposed_s", "overhead_s", "comm_s")
-    return {"gpu_profile": slowest["gpu"], "projected_step_s": step_s,
+    per_rank = {}
+    if len(times) == len(records):  # every rank's projected step (a rank that was not projected repeats its stand-in)
+        steps = [t["step_s"] for t in times]
+        per_rank = {"step_time_per_rank_s": steps, "slowest_rank": records[steps.index(max(steps))]["rank"]}
+    return {"gpu_profile": slowest["gpu"], "projected_step_s": step_s, **per_rank,
             **{f"projected_{k}": slowest[k] for k in parts},
             "projected_tokens_per_s": point.seq_len * point.batch_size * _dp(point) / step_s,
             "projected_mfu": flops / point.world_size / step_s / slowest["peak_flops"]}
@@ -194,8 +216,10 @@ def _time_columns(records: list[dict], flops: float, point: Point, env: dict) ->
         return {}
     median = statistics.median(per_step)
     tokens = point.seq_len * point.batch_size * _dp(point)
+    ranks = [statistics.median(r["step_times_s"]) for r in records]  # each rank's own median step
     out = {"step_times_s": per_step, "step_time_median_s": median, "step_time_p10_s": percentile(per_step, 10),
-           "step_time_p90_s": percentile(per_step, 90), "tokens_per_s": tokens / median}
+           "step_time_p90_s": percentile(per_step, 90), "tokens_per_s": tokens / median,
+           "step_time_per_rank_s": ranks, "slowest_rank": records[ranks.index(max(ranks))]["rank"]}
     if point.device == "cuda":
         per_device = flops / point.world_size / median
         out["tflops_per_s"] = per_device / 1e12

@@ -2,7 +2,7 @@
 
 - a style that this install has not registered (a documented style whose implementation has not landed);
 - a style that cannot serve the point's attention backend (its registered `implementations`);
-- a FlashAttention backend whose package is not installed;
+- a FlashAttention backend (2, 3 or 4) whose package is not installed, with the install that brings it;
 - a CUDA point on a machine with fewer GPUs than ranks (one GPU per rank: NCCL refuses two ranks on one GPU,
   and gloo cannot run all-to-all on CUDA tensors);
 - in a projection (`cpbench estimate`), instead of the two above: a backend whose kernels cannot run on fake CPU
@@ -17,11 +17,34 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 
 from cpbench.harness.suite.spec import NO_STYLE, Point
 
-KERNEL_PACKAGES = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}
+# backend -> (its distribution, the module transformers and the ring import, the install that brings it)
+KERNEL_PACKAGES = {
+    "flash_attention_2": ("flash-attn", "flash_attn", "pip install 'cpbench[gpu]'"),
+    "flash_attention_3": ("flash-attn-3", "flash_attn_interface",
+                          "build FlashAttention-3 from FlashAttention's hopper/ folder (`python setup.py install`; "
+                          "it is not on PyPI), then pip install 'cpbench[fa3]'"),
+    "flash_attention_4": ("flash-attn-4", "flash_attn.cute", "pip install 'cpbench[fa4]'"),
+}
+
+
+def kernel_package_missing(attn_implementation: str) -> str | None:
+    """Why a FlashAttention backend cannot load here (its distribution is not installed), with the install that
+    fixes it; None when it is installed or needs no package. The distribution decides, as transformers decides
+    (utils/import_utils.py is_flash_attn_*_available): flash-attn 2 and 4 share the `flash_attn` module."""
+    if attn_implementation not in KERNEL_PACKAGES:
+        return None
+    dist, module, install = KERNEL_PACKAGES[attn_implementation]
+    try:
+        importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return f"attn_implementation={attn_implementation!r} needs the {dist!r} package ({module}), not installed " \
+               f"here: {install}"
+    return None
 
 
 class SkipRules:
@@ -103,10 +126,7 @@ class SkipRules:
                 return "loss = \"liger\" runs Liger-Kernel's Triton kernels, CUDA only; use loss = \"chunked\" on CPU"
             if importlib.util.find_spec("liger_kernel") is None:
                 return "loss = \"liger\" needs Liger-Kernel, not installed here: pip install 'cpbench[liger]'"
-        package = KERNEL_PACKAGES.get(point.attn_implementation)
-        if package is None or importlib.util.find_spec(package) is not None:
-            return None
-        return f"attn_implementation={point.attn_implementation!r} needs the {package!r} package, not installed here"
+        return kernel_package_missing(point.attn_implementation)
 
     @staticmethod
     def _devices(point: Point) -> str | None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-from cpbench.harness.suite import grid_checks, levers
+from cpbench.harness.suite import documents, grid_checks, levers
 from cpbench.harness.suite.grid_checks import BACKENDS, CUDA_ONLY_BACKENDS, DOCUMENTED_STYLES  # noqa: F401 - the allowed values
 from cpbench.harness.suite.presets import check_has_plan, check_overrides, get_preset
 from cpbench.harness.suite.suite_errors import Collector, SuiteErrors, each, err  # noqa: F401 - spec and tests import them from here
@@ -47,7 +47,7 @@ def validate(suite, *, allow_faults: bool = False, source: str = "suite") -> Non
     for check in (_check_counts, grid_checks.check_lengths, grid_checks.check_cp_sizes, grid_checks.check_backends,
                   grid_checks.check_style_names, grid_checks.check_style_backends, grid_checks.check_world,
                   _check_budget, _check_mixed_precision, _check_implementations, levers.check_levers,
-                  levers.check_offload_world):
+                  levers.check_offload_world, documents.check):
         found.run(check, suite)
     found.run(_check_faults, suite, allow_faults)
     if config is not None:

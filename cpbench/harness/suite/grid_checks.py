@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from cpbench.harness.suite.suite_errors import Collector, each, err
 
-BACKENDS = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3")
-CUDA_ONLY_BACKENDS = ("flash_attention_2", "flash_attention_3")
+BACKENDS = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3", "flash_attention_4")
+CUDA_ONLY_BACKENDS = ("flash_attention_2", "flash_attention_3", "flash_attention_4")
 # cpbench's documented attention styles. A documented style that this install has not registered yet is
 # `skipped` (with why) rather than refused, so a suite can name a style before its implementation lands.
 DOCUMENTED_STYLES = ("cp_ulysses", "cp_ring", "cp_ring_zigzag", "cp_usp")

@@ -73,6 +73,14 @@ class Suite:
     # cp_usp's Ulysses degree: the ranks of each Ulysses group; the ring runs over cp_size / degree groups. Only the
     # cp_usp points of a cp size it divides use it (other styles and cp sizes keep 1).
     cp_ulysses_degree: int = 2
+    # Packed documents (documents.py): "none", a shipped mix's name ("meta-128k", ...), or the lengths of one row
+    # ([65536, 32768, 32768], "pad:N" for N padded tokens) or of each row ([[...], [...]]), summing to the length.
+    # Points with documents are packed (batch_kind "padded": every other row ends in a pad segment).
+    documents: str | list = "none"
+    # The zigzag ring's placement (cp_ring_zigzag, cp_usp): "documents" (balanced by the batch's documents,
+    # cp/balance.py) or "sequence" (the plain zigzag: the balance off). Not part of a point's key: the same point
+    # either way, so a run of one compares with a baseline of the other.
+    balance: str = "documents"
 
     def points(self) -> list["Point"]:
         return expand(self)
@@ -116,6 +124,8 @@ class Point:
     cp_plan: dict = field(default_factory=dict)
     documents: str = "none"  # "none", a shipped mix's name, or "lengths:<hash>" (schema `documents`)
     compile: str = "off"  # torch.compile of each decoder layer: "off" or the mode
+    document_lengths: tuple = ()  # the given rows of lengths behind "lengths:<hash>" (in spec_json)
+    balance: str = "documents"  # the zigzag ring's placement: "documents" or "sequence" (Suite.balance)
 
     @property
     def point_id(self) -> str:
@@ -127,6 +137,10 @@ class Point:
             parts.append(f"dpr{self.dp_replicate_size}")
         if self.batch_size != 1 or self.batch_kind != "plain":
             parts.append(f"b{self.batch_size}{self.batch_kind}")
+        if self.documents != "none":
+            parts.append("docs-" + self.documents.replace(":", "-"))
+        if self.balance != "documents" and self.cp_style in ("cp_ring_zigzag", "cp_usp"):
+            parts.append(f"{self.balance}-balance")
         if self.keep_outputs:
             parts.append("keep-outputs")
         if self.loss_mode != "full":
@@ -252,6 +266,9 @@ def _runs(suite: Suite, cp: int) -> list[tuple[str, str]]:
 
 
 def _point(suite: Suite, model: str, cp: int, attn: str, style: str, seq_len: int, impl: str = "cpbench") -> Point:
+    from cpbench.harness.suite import documents
+
+    packed = suite.documents != documents.NONE
     fsdp = suite.fsdp_size
     world = cp * fsdp * suite.dp_replicate_size
     if suite.world_size is not None:
@@ -259,7 +276,10 @@ def _point(suite: Suite, model: str, cp: int, attn: str, style: str, seq_len: in
         world = suite.world_size
     p = Point(
         suite=suite.name, model=model, preset=suite.model, model_overrides=dict(suite.model_overrides),
-        seq_len=seq_len, batch_size=suite.batch_size, batch_kind=suite.batch_kind, cp_size=cp, fsdp_size=fsdp,
+        seq_len=seq_len, batch_size=suite.batch_size, cp_size=cp, fsdp_size=fsdp,
+        batch_kind="packed" if packed and suite.batch_kind == "plain" else suite.batch_kind,
+        documents=documents.key(suite.documents), balance=suite.balance,
+        document_lengths=documents.as_rows(suite.documents) if packed else (),
         dp_replicate_size=suite.dp_replicate_size, world_size=world, attn_implementation=attn, cp_style=style,
         dtype=suite.dtype, device=suite.device, warmup_steps=suite.warmup_steps,
         measured_steps=suite.measured_steps, keep_outputs=suite.keep_outputs, loss_mode=suite.loss,

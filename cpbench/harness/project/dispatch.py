@@ -1,0 +1,134 @@
+"""The host's time to dispatch cpbench's own eager step, measured here: the profiles' `cpu_op_s`,
+`cpu_fsdp_collective_s` and `cpu_optimizer_tensor_s`.
+
+An eager step costs the host time whatever its kernels compute: Python, autograd's graph, torch's dispatcher and
+allocator for every op; FSDP2's hooks around every unshard and reduce-scatter (DTensor bookkeeping, streams,
+copy-in and copy-out); the optimizer's foreach ops over every parameter. A GPU runs the kernels; the host only has
+to keep ahead of them, and at short lengths it cannot. This measures those times the way `timing.simulate` charges
+them, per op the step's trace prices (trace.py: views and other free ops are not priced, so their host time is
+folded into the ops that are), per FSDP2 collective, and per tensor of the optimizer's ops.
+
+How, so that the kernels' own time is removed: the point's real step (a deep, narrow model: a real model's layers
+and ops, a few elements each) runs on CPU tensors against a fake process group (FSDP2's hooks run and its
+collectives are called; no bytes move), on one thread, in fp32 (CPU kernels of bf16 cost more than the dispatch
+being measured); its process CPU time (not wall time: a busy machine does not inflate it) is taken at two tiny
+lengths and extrapolated to no tokens. Without FSDP that gives the time per op; with it, what FSDP2 adds, per
+collective; the optimizer step is timed apart. What a CUDA step adds (the driver's launch of each kernel) and what
+it saves (the CPU kernel of a few elements) are not in it: both are a few microseconds.
+
+    python -m cpbench.harness.project.dispatch            # prints the measurement (about a minute)
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+LENGTHS = (8, 32)  # tokens per sequence: both tiny, so the extrapolation removes what the kernels cost
+FSDP_COLLECTIVES = ("all_gather", "reduce_scatter")
+
+
+def _suite_text(model: str, world_size: int, layers: int) -> str:
+    # a CUDA point (its kernel choices, the foreach optimizer), run on CPU tensors
+    return (f'name = "dispatch"\nmodel = "{model}"\nseq_lens = [{", ".join(map(str, LENGTHS))}]\n'
+            f'cp_sizes = [1]\nworld_size = {world_size}\ndtype = "float32"\ndevice = "cuda"\n'
+            f'warmup_steps = 1\nmeasured_steps = 1\nmodel_overrides = {{num_hidden_layers = {layers}}}\n')
+
+
+def step_costs(point, steps: int = 10) -> dict:
+    """The point's real step on this host: what its trace prices (`ops` of the forward and backward, its FSDP2
+    `collectives`, the `tensors` the optimizer's ops take) and the process CPU seconds of the forward and backward
+    (`step_s`) and of the optimizer step (`optimizer_s`), each the least of three runs."""
+    from cpbench.harness.measure import step
+    from cpbench.harness.project.projection import _mesh, fake_world
+    from cpbench.harness.project.trace import StepTrace
+
+    torch.manual_seed(0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the host thread that dispatches; its CPU time is then the process's
+    try:
+        with fake_world(point.world_size, 0):
+            mesh = _mesh(point)
+            model = step.distribute(step.build_model(point, "cpu"), point, mesh=mesh, kernel_device=point.device)
+            batch = step.make_batch(point, model.config.vocab_size, "cpu")
+            optimizer = step.make_optimizer(model, point)  # a CUDA point: the foreach kernels, as on the GPU
+            for _ in range(3):  # warm up: the optimizer state, the allocator, the first calls' caches
+                step.train_step(model, optimizer, batch)
+            trace = StepTrace()
+            hooks = trace.optimizer_hooks(optimizer)
+            with trace:
+                step.train_step(model, optimizer, batch)
+            for h in hooks:
+                h.remove()
+            priced = [o for o in trace.ops if o.kind != "sync"]
+            costs = {"ops": sum(o.phase == "step" for o in priced),
+                     "collectives": sum(o.phase == "step" and o.kind in FSDP_COLLECTIVES for o in priced),
+                     "tensors": sum(o.tensors for o in priced if o.phase == "optimizer"),
+                     "step_s": float("inf"), "optimizer_s": float("inf")}
+
+            def forward_backward():
+                step.forward(model, batch).loss.backward()
+
+            def optimizer_step():
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+
+            for _ in range(3):  # interference only ever adds: the least of three
+                spent = {"step_s": 0.0, "optimizer_s": 0.0}
+                for _ in range(steps):
+                    for part, run in (("step_s", forward_backward), ("optimizer_s", optimizer_step)):
+                        t0 = time.process_time()
+                        run()
+                        spent[part] += time.process_time() - t0
+                costs.update({k: min(costs[k], v / steps) for k, v in spent.items()})
+            return costs
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _at_no_tokens(model: str, world_size: int, layers: int, steps: int) -> dict:
+    """step_costs at the two lengths, the step's time extrapolated to no tokens (`host_s`)."""
+    from cpbench.harness.suite.spec import load_suite
+
+    points = sorted(load_suite("dispatch.toml", text=_suite_text(model, world_size, layers)).points(),
+                    key=lambda p: p.seq_len)
+    a, b = (step_costs(p, steps) | {"tokens": p.seq_len * p.batch_size} for p in points)
+    if (a["ops"], a["collectives"]) != (b["ops"], b["collectives"]):
+        raise RuntimeError(f"the step dispatched {a['ops']} ops at {a['tokens']} tokens and {b['ops']} at "
+                           f"{b['tokens']}: the extrapolation needs the same ops at both lengths")
+    per_token = (b["step_s"] - a["step_s"]) / (b["tokens"] - a["tokens"])
+    return {**a, "host_s": a["step_s"] - per_token * a["tokens"], "per_token_s": per_token, "runs": [a, b]}
+
+
+def measure(model: str = "tiny-llama", layers: int = 16, steps: int = 10) -> dict:
+    """The host's dispatch costs (see the module docstring). `layers`: a real model's depth, so that a step's
+    once-per-step work weighs against as many layers' ops as it does there."""
+    alone = _at_no_tokens(model, 1, layers, steps)
+    sharded = _at_no_tokens(model, 2, layers, steps)
+    per_op = alone["host_s"] / alone["ops"]
+    per_collective = (sharded["host_s"] - per_op * sharded["ops"]) / sharded["collectives"]
+    per_tensor = sharded["optimizer_s"] / sharded["tensors"]  # FSDP2's parameters are DTensors, as on the GPUs
+    return {"model": model, "layers": layers, "cpu_op_s": per_op, "cpu_fsdp_collective_s": per_collective,
+            "cpu_optimizer_tensor_s": per_tensor, "alone": alone, "sharded": sharded,
+            "torch": torch.__version__, "cpu": _cpu_name()}
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown")
+    except OSError:
+        return "unknown"
+
+
+if __name__ == "__main__":
+    r = measure()
+    a, s = r["alone"], r["sharded"]
+    print(f"{r['model']}, {r['layers']} layers, on {r['cpu']} with torch {r['torch']}:\n"
+          f"  one rank: {a['ops']} ops in forward and backward, {1e3 * a['host_s']:.2f} ms at no tokens: "
+          f"cpu_op_s = {1e6 * r['cpu_op_s']:.1f} us\n"
+          f"  FSDP2 over 2 ranks: {s['ops']} ops and {s['collectives']} collectives, {1e3 * s['host_s']:.2f} ms: "
+          f"cpu_fsdp_collective_s = {1e6 * r['cpu_fsdp_collective_s']:.0f} us\n"
+          f"  its optimizer step: {s['tensors']} tensors in its ops, {1e3 * s['optimizer_s']:.2f} ms: "
+          f"cpu_optimizer_tensor_s = {1e6 * r['cpu_optimizer_tensor_s']:.2f} us", flush=True)

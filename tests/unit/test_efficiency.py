@@ -1,0 +1,127 @@
+"""The GPU profiles' figures against the sources they cite, and the efficiency of a kernel call by its shape
+(efficiency.py): GEMM waves and epilogue against a published K sweep, attention curves, NCCL by message size and
+the SMs it takes from the compute beside it, the host's dispatch costs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from cpbench.harness.project import efficiency, hardware
+from cpbench.harness.project.timing import collective_seconds, host_seconds, simulate
+from cpbench.harness.project.trace import Op
+
+H100 = hardware.builtin()["h100-sxm"]
+
+
+def test_every_attention_efficiency_is_the_figure_its_source_cites_over_the_peak():
+    # FlashAttention-3 paper, H100 SXM5, causal (backward: as published), head dim 128, 16k tokens, TFLOP/s
+    cited = {"attention_cudnn_forward": 539, "attention_cudnn_backward": 516, "attention_fa3_forward": 616,
+             "attention_fa3_backward": 561, "attention_forward": 335, "attention_backward": 322}
+    curves = efficiency.curves()["hopper"]
+    assert curves["cudnn"]["forward"]["causal_128"][-1] == 539 and curves["fa3"]["forward"]["causal_128"][-1] == 616
+    for key, tflops in cited.items():
+        assert H100.efficiency[key] == pytest.approx(tflops / 989, abs=6e-4), key
+        assert str(tflops) in H100.sources[key], key
+    assert H100.efficiency["gemm"] == pytest.approx(794.5 / 989, abs=6e-4)
+
+
+def test_every_figure_of_every_profile_names_its_source_or_says_it_is_assumed():
+    for hw in hardware.builtin().values():
+        def covered(key):
+            return (key in hw.sources or key.replace("backward", "forward") in hw.sources
+                    or (key.startswith("attention") and "attention_forward" in hw.sources))
+        assert all(covered(k) for k in hw.efficiency), (hw.name, [k for k in hw.efficiency if not covered(k)])
+        assert hw.capability and hw.cudnn_version == (9, 20, 0) and hw.sources["capability"], hw.name
+    # the host's share of a two-socket DDR5 host: 614 GB/s over 8 GPUs, as its comment says
+    assert H100.host_bytes_per_s == pytest.approx(614.4e9 / 8)
+
+
+def _tflops(hw, m, n, k, b=1, dtype="bfloat16"):
+    flops = 2.0 * b * m * n * k
+    shape = (m, n, k, b, 2 * b * m * n)
+    return flops / efficiency.gemm_seconds(flops, 2.0 * b * (m * k + k * n + m * n), shape, hw, dtype) / 1e12
+
+
+def test_a_gemm_is_priced_from_the_measured_table_of_its_gpu():
+    # OpenXLA's H100 table: 4096^3 at 780.2 TFLOP/s, 512 x 2048 x 2048 at 342.7; its best 804.7 (b 4 ... 4096)
+    level = 0.803 * 989 / 804.7  # the profile's best-shape figure sets the level, the table the shape
+    assert _tflops(H100, 4096, 4096, 4096) == pytest.approx(780.2 * level, rel=1e-3)
+    assert _tflops(H100, 512, 2048, 2048) == pytest.approx(342.7 * level, rel=1e-3)
+    assert _tflops(H100, 16384, 4096, 14336) == pytest.approx(_tflops(H100, 4096, 4096, 4096))  # saturated
+    assert _tflops(H100, 128, 4096, 4096) == pytest.approx(_tflops(H100, 256, 4096, 4096) / 2)  # a 256-wide tile
+    b200 = hardware.load("b200")
+    assert _tflops(b200, 2048, 2048, 2048) == pytest.approx(985.8 * 0.776 * 2250 / 1670.5, rel=1e-3)
+
+
+def test_without_a_table_a_gemm_follows_a_published_k_sweep_by_its_epilogue():
+    # TileLang's 8192 x 8192 x K fp16 GEMM on an H800 SXM (an H100 SXM's SMs and clocks), TFLOP/s, against the
+    # waves-and-epilogue arithmetic that prices a GPU without a measured table (here: H100's figures as if it had none)
+    published = {256: 386, 512: 520, 1024: 628, 2048: 705, 4096: 736, 8192: 758, 16384: 766}
+    untabled = dataclasses.replace(H100, capability=(8, 0))
+    modelled = {k: _tflops(untabled, 8192, 8192, k, dtype="float16") for k in published}
+    for k, tflops in published.items():
+        assert modelled[k] == pytest.approx(tflops, rel=0.05), k
+        assert modelled[k] / modelled[16384] == pytest.approx(tflops / published[16384], rel=0.05), k
+
+
+def test_a_gemm_whose_tiles_leave_the_last_wave_part_empty_runs_slower():
+    assert efficiency.waves(128 * 132, 256, 1, 132) == 1.0  # 132 tiles on 132 SMs
+    assert efficiency.waves(128 * 133, 256, 1, 132) < 0.51  # one tile (or two) spills into a second wave
+    untabled = dataclasses.replace(H100, capability=(8, 0))
+    assert _tflops(untabled, 512, 2048, 2048) < 0.4 * 989  # 32 tiles of 132 SMs
+
+
+def test_attention_efficiency_follows_its_kernels_published_curve():
+    def factor(kernel, length, causal=True, heads=64, direction="forward"):
+        return efficiency.attention_factor(kernel, direction, (length, length, 128, causal, heads), H100)
+
+    assert factor("cudnn", 16384) == 1.0 and factor("cudnn", 65536) == 1.0  # the reference; saturated past it
+    assert factor("cudnn", 512) == pytest.approx(315 / 539)
+    assert factor("cudnn", 512, causal=False) == pytest.approx(497 / 539)
+    assert factor("fa3", 1024) == pytest.approx(423 / 616)
+    lengths = [256, 512, 1000, 2048, 4096, 8192, 16384]
+    for kernel in ("flash", "cudnn", "fa3", "fa4", "efficient"):
+        for direction in ("forward", "backward"):
+            values = [factor(kernel, n, direction=direction) for n in lengths]
+            assert values == sorted(values) and values[-1] == pytest.approx(1.0), (kernel, direction, values)
+    # the causal backward is the published non-causal one times FlashAttention-2's causal / non-causal ratio
+    assert factor("cudnn", 1024, direction="backward") < 408 / 516
+    # one head of 512 queries is 4 thread blocks on 132 SMs
+    assert factor("cudnn", 512, heads=1) == pytest.approx(315 / 539 * 4 / 132)
+
+
+def test_nccl_moves_small_messages_at_a_fraction_of_its_bus_bandwidth():
+    hw = dataclasses.replace(H100, intra_node_latency_s=0.0)
+    big = collective_seconds("all_to_all", 8 << 30, 8, False, hw)
+    half = collective_seconds("all_to_all", hw.intra_node_half_bytes, 8, False, hw)
+    rate = (7 / 8) / (450e9 * 0.822)
+    assert big == pytest.approx(rate * (8 << 30), rel=0.01)
+    assert half == pytest.approx(2 * rate * hw.intra_node_half_bytes)
+
+
+def test_a_kernel_beside_a_collective_loses_the_sms_nccl_holds():
+    hw = dataclasses.replace(H100, cpu_op_s=0.0, cuda_launch_s=0.0, kernel_s=0.0)
+    gemm = Op("compute", "gemm", "step", 989e12 * 0.803 * 1e-3, 0.0, (), ())  # 1 ms at the best-shape efficiency
+    gather = Op("ag", "all_gather", "step", 0.0, 1 << 30, (), (), 8)  # far longer than the GEMM
+    alone = simulate([gemm], hw, "bfloat16")["step_s"]
+    beside = simulate([gather, gemm], hw, "bfloat16")["compute_s"]
+    assert alone == pytest.approx(1e-3) and beside == pytest.approx(1e-3 / (1 - 0.18))
+
+
+def test_the_host_pays_per_op_per_fsdp_collective_and_per_optimizer_tensor():
+    op, launch = Op("compute", "memory", "step", 0.0, 0.0, (), ()), H100.cuda_launch_s
+    assert host_seconds(op, H100) == H100.cpu_op_s + launch
+    assert host_seconds(op._replace(stream="rs", kind="reduce_scatter"), H100) == \
+        H100.cpu_op_s + H100.cpu_fsdp_collective_s + launch
+    assert host_seconds(op._replace(phase="optimizer", tensors=291), H100) == \
+        291 * H100.cpu_optimizer_tensor_s + launch
+
+
+def test_the_dispatch_measurement_separates_the_host_from_the_kernels():
+    from cpbench.harness.project import dispatch
+
+    r = dispatch.measure(layers=2, steps=2)
+    assert 1e-7 < r["cpu_op_s"] < 1e-3 and r["cpu_fsdp_collective_s"] > 0 and r["cpu_optimizer_tensor_s"] > 0
+    assert r["sharded"]["collectives"] > 0 and r["alone"]["ops"] > 100

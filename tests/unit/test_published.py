@@ -1,0 +1,44 @@
+"""The committed projections of published measurements (results/published): wherever a source compares
+configurations side by side, the projections come out in the order it measured (orderings.toml); every judged row
+says where it comes from and what it holds."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from cpbench.report.runs import store
+
+PUBLISHED = Path(__file__).parents[2] / "results" / "published"
+ORDERINGS = tomllib.loads((PUBLISHED / "orderings.toml").read_text())
+
+
+def _metric(name: str, metric: str) -> float:
+    (run,) = (PUBLISHED / "runs").glob(f"*/{name}/runs.parquet")
+    row = store.read_run(run).iloc[0]
+    assert row["projected_step_s"] == row["projected_step_s"], (name, row["status"], row["status_detail"])
+    if metric == "step_s":
+        return -row["projected_step_s"]  # larger is faster
+    if metric == "tokens_per_s_per_gpu":
+        return row["projected_tokens_per_s"] / row["world_size"]
+    assert metric == "tflops", metric
+    return row["flops_per_step"] / row["world_size"] / row["projected_step_s"]
+
+
+@pytest.mark.parametrize("comparison", sorted(ORDERINGS))
+def test_the_projection_orders_configurations_as_the_source_measured_them(comparison):
+    spec = ORDERINGS[comparison]
+    values = [_metric(name, spec["metric"]) for name in spec["fastest_first"]]
+    assert values == sorted(values, reverse=True), (spec["source"], dict(zip(spec["fastest_first"], values)))
+
+
+def test_every_published_row_says_its_source_configuration_and_tokens_per_gpu():
+    rows = tomllib.loads((PUBLISHED / "measurements.toml").read_text())
+    judged = {name: m for name, m in rows.items() if m.get("judged", True)}
+    assert len([m for m in judged.values() if m["tokens_per_gpu"] <= 65536]) >= 8  # the short regime, judged
+    for name, m in rows.items():
+        assert m["source"] and m["config"] and m["unit"] in ("s", "tok/s/GPU") and m["measured"] > 0, name
+        if not m.get("judged", True):
+            assert m.get("differs"), f"{name}: a row left out of the mean says why"

@@ -1,0 +1,106 @@
+"""What the op trace counts for one kernel call (work.py, trace.py): the causal flag read where each kernel's
+schema has it, each kernel's causal alignment, grouped and MLA shapes, and the bytes an op really moves."""
+
+from __future__ import annotations
+
+import torch
+
+from cpbench.harness.project import work
+from cpbench.harness.project.trace import StepTrace
+
+
+def test_every_aten_attention_kernel_reads_its_causal_flag_where_its_schema_puts_it():
+    # the cuDNN backward's is_causal is argument 14 (its cum_seq / max_q / max_k arguments come before it), not 9
+    for name, spec in work.ATTENTION.items():
+        if not name.startswith("aten."):
+            continue  # flash-attn's ops: not installed here; their positions are cpbench/cp/ring/flash.py's calls
+        schema = getattr(torch.ops.aten, name.split(".", 1)[1]).default._schema
+        arg_name, at = spec.causal
+        assert schema.arguments[at].name == arg_name, (name, at, schema.arguments[at].name)
+        if spec.offsets_at is not None:
+            assert schema.arguments[spec.offsets_at].name in ("cum_seq_q", "cu_seqlens_q"), name
+
+
+def _bhsd(batch=1, heads=2, seq=4, dim=8):
+    return torch.empty(batch, heads, seq, dim, device="meta")
+
+
+def test_the_cudnn_backward_counts_causal_pairs_from_its_own_flag():
+    q = _bhsd()
+    args = [q, q, q, q, q, q, None, None, None, None, None, 4, 4, 0.0, True]  # grad_out, q, k, v, out, lse, ...
+    causal, _ = work.attention("aten._scaled_dot_product_cudnn_attention_backward", tuple(args))
+    args[14] = False
+    full, _ = work.attention("aten._scaled_dot_product_cudnn_attention_backward", tuple(args))
+    assert causal == 2.5 * 4 * 10 * 2 * 8 and full == 2.5 * 4 * 16 * 2 * 8
+
+
+def test_the_memory_efficient_kernel_counts_its_causal_mask_types():
+    t = torch.empty(1, 4, 2, 8, device="meta")  # [batch, seq, heads, dim]
+    args = [t, t, t, None, None, None, None, None, 0.0, 0]
+    none = work.attention("aten._efficient_attention_forward", tuple(args))[0]
+    args[9] = 1  # causal from the top left
+    top_left = work.attention("aten._efficient_attention_forward", tuple(args))[0]
+    assert none == 4 * 16 * 2 * 8 and top_left == 4 * 10 * 2 * 8
+    q = torch.empty(1, 2, 2, 8, device="meta")  # 2 queries over 4 keys from the bottom right: 3 + 4 pairs
+    args = [q, t, t, None, None, None, None, None, 0.0, 2]
+    assert work.attention("aten._efficient_attention_forward", tuple(args))[0] == 4 * 7 * 2 * 8
+
+
+def test_flash_kernels_count_non_square_causal_calls_from_the_bottom_right():
+    q, k = torch.empty(1, 2, 2, 8, device="meta"), torch.empty(1, 4, 2, 8, device="meta")
+    args = (q, k, k, None, None, 2, 4, 0.0, True)
+    assert work.attention("aten._flash_attention_forward", args)[0] == 4 * (3 + 4) * 2 * 8
+    fa = (q, k, k, 0.0, 1.0, True)  # flash-attn's _flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal)
+    assert work.attention("flash_attn._flash_attn_forward", fa)[0] == 4 * 7 * 2 * 8
+    # flash-attn's backward: causal is argument 11 (after dq, dk, dv, dropout_p, softmax_scale)
+    bwd = (q, q, k, k, q, None, q, k, k, 0.0, 1.0, True)
+    assert work.attention("flash_attn._flash_attn_backward", bwd)[0] == 2.5 * 4 * 7 * 2 * 8
+
+
+def test_attention_with_a_value_head_unlike_the_query_head_counts_both():
+    q, v = _bhsd(dim=192), _bhsd(dim=128)  # multi-head latent attention: qk 192, v 128
+    flops, shape = work.attention("aten._scaled_dot_product_cudnn_attention", (q, q, v, None, False, 0.0, False))
+    assert flops == 2 * 16 * 2 * (192 + 128) and shape == (4, 4, 192, False, 2)
+
+
+def test_grouped_gemms_count_every_group_once():
+    x, w, offs = torch.empty(96, 16, device="meta"), torch.empty(8, 16, 32, device="meta"), torch.empty(8)
+    flops, shape = work.gemm("aten._grouped_mm", (x, w, offs))
+    assert flops == 2 * 96 * 16 * 32 and shape == (12, 32, 16, 8)  # 96 token rows over 8 experts
+    # the weight gradient: x^T [16, 96] with grad [96, 32], the contraction grouped: 8 outputs of [16, 32]
+    flops, shape = work.gemm("aten._grouped_mm", (torch.empty(16, 96, device="meta"),
+                                                  torch.empty(96, 32, device="meta"), offs))
+    assert flops == 2 * 16 * 96 * 32 and shape == (16, 32, 12, 8)
+
+
+def _bytes_of(fn) -> float:
+    with StepTrace() as trace:
+        fn()
+    return sum(o.bytes for o in trace.ops)
+
+
+def test_an_op_moves_what_it_reads_and_writes_each_tensor_once():
+    a, b = torch.ones(1000), torch.ones(1000)  # 4000 bytes each
+    assert _bytes_of(lambda: a.copy_(b)) == 8000  # reads b, writes a: a is not read
+    assert _bytes_of(lambda: a.fill_(2.0)) == 4000
+    assert _bytes_of(lambda: a.add_(b)) == 12000  # reads a and b, writes a
+    assert _bytes_of(lambda: torch.add(a, b, out=torch.empty(1000))) == 12000  # `out=` is written, not read
+    rows, row = torch.ones(64, 1000), torch.ones(1, 1000)
+    # an expanded input is read at its stored size: 4000 bytes, not 64 x 4000
+    assert _bytes_of(lambda: rows + row.expand(64, 1000)) == 64 * 4000 * 2 + 4000
+
+
+def test_a_host_scalar_read_in_the_optimizer_step_is_not_a_device_sync():
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(model.parameters(), foreach=True)
+    model(torch.ones(2, 4)).sum().backward()
+    trace = StepTrace()
+    hooks = trace.optimizer_hooks(optimizer)
+    with trace:
+        optimizer.step()  # reads each parameter's `step` count, a 0-dim host tensor on CUDA too
+        torch.ones(3).sum().item()  # a real read-back of a device value
+    for h in hooks:
+        h.remove()
+    syncs = [o for o in trace.ops if o.kind == "sync"]
+    assert len(syncs) == 1 and syncs[0].phase == "step"
+    assert any(o.phase == "optimizer" and o.tensors > 1 for o in trace.ops)  # foreach ops take lists
