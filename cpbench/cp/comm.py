@@ -2,12 +2,17 @@
 
 Equal-split all-to-all is its own transpose, so its backward is the same exchange applied to the gradient.
 The all-reduce's backward sums the ranks' output gradients (each rank's input reaches every rank's output).
+
+Under torch.compile the all-to-all is torch's functional collective with autograd
+(`_functional_collectives.all_to_all_single_autograd`), which dynamo traces into the graph (forward and backward)
+where the autograd.Function above, calling the in-place c10d op, would break it. Eager keeps the c10d op.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 
 class _AllToAll(torch.autograd.Function):
@@ -44,6 +49,8 @@ class _AllReduceSum(torch.autograd.Function):
 
 def all_to_all(x: torch.Tensor, group) -> torch.Tensor:
     """Chunk i of dim 0 goes to rank i; chunk i of the result came from rank i."""
+    if torch.compiler.is_compiling():
+        return funcol.all_to_all_single_autograd(x.contiguous(), None, None, group)
     return _AllToAll.apply(x, group)
 
 

@@ -72,8 +72,10 @@ class AttentionConfigView:
         object.__setattr__(self, "_cp_base_config", config)
         object.__setattr__(self, "_attn_implementation", attn_implementation)
 
-    def __getattr__(self, name):
-        return getattr(object.__getattribute__(self, "_cp_base_config"), name)
+    def __getattr__(self, name):  # only for names not set here; a plain attribute read, which dynamo traces
+        if name.startswith("_cp_"):  # not set yet (a copy being rebuilt): no recursion
+            raise AttributeError(name)
+        return getattr(self._cp_base_config, name)
 
     def __setattr__(self, name, value):
         setattr(self._cp_base_config, name, value)
@@ -87,12 +89,13 @@ class ModuleView:
     """
 
     def __init__(self, module: torch.nn.Module, **overrides):
-        object.__setattr__(self, "_cp_module", module)
-        for k, v in overrides.items():
-            object.__setattr__(self, k, v)
+        self._cp_module = module
+        self.__dict__.update(overrides)
 
-    def __getattr__(self, name):
-        return getattr(object.__getattribute__(self, "_cp_module"), name)
+    def __getattr__(self, name):  # only for names not set here; a plain attribute read, which dynamo traces
+        if name.startswith("_cp_"):
+            raise AttributeError(name)
+        return getattr(self._cp_module, name)
 
 
 MASK_CALL = re.compile(r"(^|_)mask|mask_function")

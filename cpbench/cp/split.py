@@ -54,7 +54,8 @@ class RotaryCuts:
     The model computes cos/sin once and hands the same tensors to every layer, and each layer's `q * cos` saves
     its cos for backward. A per-layer cut would cost memory there: a contiguous cut is a view that pins the whole
     tables, a zigzag cut is a new copy per layer. One copy per forward costs this rank's positions once. The
-    cache holds the full tables weakly, so nothing outlives the forward that made them."""
+    cache holds the full tables weakly, so nothing outlives the forward that made them. In a compiled layer the cut is
+    traced (no cache): the compiler decides what the graph saves for backward."""
 
     def __init__(self):
         self._cuts = WeakIdKeyDictionary()
@@ -62,6 +63,9 @@ class RotaryCuts:
     def cut(self, rotary, layout: SequenceLayout):
         """This rank's rows (dim -2) of the tables, in the form the model gave them: a tuple, or one tensor."""
         tables = _tables(rotary)
+        if torch.compiler.is_compiling():  # traced: a cut per layer (no weak cache in a graph)
+            cut = tuple(layout.cut(t, dim=-2) for t in tables)
+            return cut[0] if isinstance(rotary, torch.Tensor) else cut
         versions = tuple(t._version for t in tables)  # an in-place change to the tables is a new table
         hit = self._cuts.get(tables[0])
         if hit is not None:

@@ -9,7 +9,8 @@ modules the plan gives a CP style. Two checks, one before and one at the first f
 - `AttentionCalls`: at a layer's first forward, every attention module the plan bound must have called the attention
   interface (transformers' ALL_ATTENTION_FUNCTIONS), where its CP style runs; a family that computes attention in its
   own code (bloom, falcon, gpt_neo, ...) never does, and its layer would attend within this rank's tokens only. The
-  check removes itself once every layer passed, so later steps run no Python of it (and a compiled layer sees none).
+  check removes itself once every layer passed, so later steps run no Python of it. A layer compiled before its first
+forward is not watched (the hooks do nothing while dynamo traces): run one eager step first to have it checked.
 """
 
 from __future__ import annotations
@@ -64,6 +65,8 @@ class AttentionCalls:
 
     def _before(self, bound):
         def hook(module, args):
+            if torch.compiler.is_compiling():  # a compiled layer is checked at its first eager forward, if any
+                return
             for _, attention in bound:
                 attention._cpbench_calls = 0
 
@@ -71,6 +74,8 @@ class AttentionCalls:
 
     def _after(self, layer_name: str, bound):
         def hook(module, args, output):
+            if torch.compiler.is_compiling():
+                return
             silent = [a for a, attention in bound if not getattr(attention, "_cpbench_calls", 0)]
             if silent:
                 raise RuntimeError(
