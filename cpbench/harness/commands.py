@@ -99,6 +99,7 @@ def _register_estimate(subparsers) -> None:
                        help="FSDP2 mixed precision: fp32 master weights, bf16 compute (--dtype bfloat16)")
     est.add_argument("--cp-plan", default=None, metavar="JSON|STYLE", help=CP_PLAN_HELP)
     est.add_argument("--documents", default=None, metavar="MIX|LENGTHS", help=DOCUMENTS_HELP)
+    est.add_argument("--compile", nargs="?", const="on", default=None, metavar="MODE", help=COMPILE_HELP)
     quick.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                        help="a model config value (repeatable), e.g. max_position_embeddings=1048576")
     est.set_defaults(func=estimate_command)
@@ -110,6 +111,9 @@ CP_PLAN_HELP = ("the CP plan in place of the suite's: a JSON object of module pa
 DOCUMENTS_HELP = ("packed documents in place of the suite's: a shipped mix (meta-128k, prolong-64k, llama3-sft, longalign, "
                   "pile), or lengths summing to the sequence length, e.g. 50000,30000,51072 (pad:N for N padded "
                   "tokens; rows separated by ';')")
+COMPILE_HELP = ("torch.compile each decoder layer, in place of the suite's `compile`: alone (torch's default mode), off, or "
+                "a mode (max-autotune-no-cudagraphs, ...); rows record graph_breaks, recompiles and compile_s. A "
+                "projection prices the eager step (its row's projected_pricing says so)")
 EXIT_CODES = ("Exit status: 1 when a point of the run is `error` or `timeout`, or a point's parity is `fail`; "
               "0 otherwise (`oom` and `skipped` points are results, not failures); 2 for a bad suite or arguments.")
 
@@ -126,6 +130,7 @@ def _common(p: argparse.ArgumentParser) -> None:
                         "naming that process)")
     p.add_argument("--cp-plan", default=None, metavar="JSON|STYLE", help=CP_PLAN_HELP)
     p.add_argument("--documents", default=None, metavar="MIX|LENGTHS", help=DOCUMENTS_HELP)
+    p.add_argument("--compile", nargs="?", const="on", default=None, metavar="MODE", help=COMPILE_HELP)
     p.add_argument("--memory-budget", default=None, help="e.g. 80GiB: a point whose peak passes it is `oom`")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--allow-faults", action="store_true",
@@ -135,14 +140,21 @@ def _common(p: argparse.ArgumentParser) -> None:
 def _options(args, only=()):
     from cpbench.harness.run.sweep import SweepOptions
 
-    return SweepOptions(suite=_suite_with_documents(args), out=args.out, run=args.run, resume=getattr(args, "resume", False),
+    return SweepOptions(suite=_suite_with_flags(args), out=args.out, run=args.run, resume=getattr(args, "resume", False),
                         memory_budget=args.memory_budget, allow_faults=args.allow_faults, only=tuple(only),
                         progress=not args.no_progress, cluster=_cluster(args), wait=args.wait, cp_plan=args.cp_plan)
 
 
-def _suite_with_documents(args):
-    """The suite, or with `--documents` a copy of it that holds them (documents.suite_file_with)."""
-    if getattr(args, "documents", None) is None:
+def _suite_with_flags(args):
+    """The suite, or with `--documents` / `--compile` a copy of it that holds them (documents.suite_file_with)."""
+    fields = {}
+    if getattr(args, "documents", None) is not None:
+        from cpbench.harness.suite import documents
+
+        fields["documents"] = documents.parse(args.documents)
+    if getattr(args, "compile", None) is not None:
+        fields["compile"] = args.compile
+    if not fields:
         return args.suite
     from cpbench.harness.suite import documents
     from cpbench.harness.suite.suites import DEFAULT, DEFAULT_SUITE_TOML
@@ -151,8 +163,8 @@ def _suite_with_documents(args):
     if not default and not Path(args.suite).exists():
         return args.suite  # resolve_suite says what is wrong
     text = DEFAULT_SUITE_TOML if default else Path(args.suite).read_text()
-    return documents.suite_file_with(text, "default-cpu" if default else Path(args.suite).stem,
-                                     documents.parse(args.documents), args.out / ".suites")
+    return documents.suite_file_with(text, "default-cpu" if default else Path(args.suite).stem, fields,
+                                     args.out / ".suites")
 
 
 def _cluster(args):
@@ -204,7 +216,7 @@ def run_command(args) -> int:
     from cpbench.harness.run.external import run_external
 
     try:
-        args.suite = _suite_with_documents(args)
+        args.suite = _suite_with_flags(args)
         return run_external(args)
     except ValueError as e:  # e.g. another process writes the run (lock.RunLocked)
         print(f"cpbench run: {e}", file=sys.stderr)
@@ -235,8 +247,8 @@ def _quick_suite(args):
     if args.suite is not None:
         if args.model is not None:
             raise ValueError("give a suite file or --model, not both")
-        if args.documents is not None:
-            return resolve_suite(_suite_with_documents(args), cp_plan=args.cp_plan)
+        if args.documents is not None or args.compile is not None:
+            return resolve_suite(_suite_with_flags(args), cp_plan=args.cp_plan)
         return resolve_suite(args.suite, cp_plan=args.cp_plan)
     if args.model is None or args.seq is None:
         raise ValueError("give a suite file, or --model and --seq (e.g. --model qwen3-0.6b --seq 16384,32768)")
@@ -252,6 +264,8 @@ def _quick_suite(args):
               "mixed_precision": args.mixed_precision, "recompute_every_n_layers": args.recompute_every,
               "offload_activations": args.offload_activations, "offload_params": args.offload_params,
               "warmup_steps": 1, "measured_steps": 1}
+    if args.compile is not None:
+        fields["compile"] = args.compile
     if args.tiled_mlp is not None:
         fields["tiled_mlp"] = "auto" if args.tiled_mlp == "auto" else _ints("--tiled-mlp", args.tiled_mlp)[0]
     if args.world_size is not None:

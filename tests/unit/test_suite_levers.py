@@ -45,3 +45,18 @@ def test_every_wrong_lever_is_reported_at_once():
 def test_parameter_offload_needs_more_than_one_rank():
     with pytest.raises(SuiteErrors, match="`offload_params` = True.*needs more than one rank"):
         load_suite("t.toml", text='model = "tiny-qwen3"\nseq_lens = [256]\ncp_sizes = [1]\noffload_params = true\n')
+
+
+@pytest.mark.parametrize("value,column", [("false", "off"), ('"off"', "off"), ("true", "default"), ('"on"', "default"),
+                                          ('"max-autotune-no-cudagraphs"', "max-autotune-no-cudagraphs")])
+def test_compile_values(value, column):
+    cp1, cp2 = _suite(f"compile = {value}\n").points()
+    assert cp2.compile == column
+    suffix = {"off": "", "default": "/compiled"}.get(column, f"/compiled-{column}")
+    assert cp2.point_id == _suite("").points()[1].point_id + suffix
+    assert (cp2.point_key == _suite("").points()[1].point_key) == (column == "off")  # a key column, default "off"
+
+
+def test_a_wrong_compile_mode_is_refused():
+    with pytest.raises(SuiteErrors, match="`compile` = 'fast'.*torch.compile mode"):
+        _suite('compile = "fast"\n')

@@ -104,7 +104,7 @@ def measured_row(point: Point, records: list[dict], wall_s: float, **ctx) -> dic
         params_bytes=top["params_bytes"], grads_bytes=top["grads_bytes"], optimizer_bytes=top["optimizer_bytes"],
         activations_bytes=top["activations_bytes"], temporaries_bytes=top.get("temporaries_bytes"),
         **_comm_columns(records), **_host_columns(records, ctx.get("gpus_per_node") or point.world_size),
-        **attention_work(point),
+        **attention_work(point), **_compile_columns(records),
     )
     moved = [name for name, on in (("activations", point.offload_activations), ("parameters and optimizer state",
                                     point.offload_params)) if on]
@@ -115,6 +115,11 @@ def measured_row(point: Point, records: list[dict], wall_s: float, **ctx) -> dic
     if row["measurement"] == "projected":
         row.update(parity_status="skipped", parity_detail="a projection computes no values: no parity")
         row.update(projected_time_columns(records, row["flops_per_step"], point))
+        row["projected_pricing"] = "eager"  # each op priced on its own: no fused chains (torch.compile) yet
+        if point.compile != "off":
+            note = (f"compile={point.compile}: the projection priced the eager step (each op on its own, no fused "
+                    "chains); a measured run gives the compiled step's time")
+            row["status_detail"] = "; ".join(filter(None, [row["status_detail"], note]))
     else:
         times = _time_columns(records, row["flops_per_step"], point, ctx["env"])
         row.update(times)
@@ -175,6 +180,13 @@ def _host_columns(records: list[dict], per_node: int) -> dict:
     return {"host_peak_bytes": max(peaks), "host_peak_bytes_per_rank": peaks, "host_node_peak_bytes": max(nodes),
             **{k: top[k] for k in HOST_PARTS}, "d2h_bytes": max(r["d2h_bytes"] for r in records),
             "h2d_bytes": max(r["h2d_bytes"] for r in records)}
+
+
+def _compile_columns(records: list[dict]) -> dict:
+    """A compiled point's dynamo counters and compile time: the max over ranks (none for an eager point)."""
+    if "graph_breaks" not in records[0]:
+        return {}
+    return {k: max(r[k] for r in records) for k in ("graph_breaks", "recompiles", "compile_s")}
 
 
 def _comm_columns(records: list[dict]) -> dict:

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from cpbench.harness.measure import parity, step
 from cpbench.harness.measure.capture import capture
+from cpbench.harness.measure.compiled import CompileCounters, compile_layers, first_step
 from cpbench.harness.measure.probes import StepTimer, memory_probe, reset_rss_peak, rss_peak_bytes
 from cpbench.harness.measure.reference import reference_phase
 from cpbench.harness.peers.attention_level import run_attention_point
@@ -95,11 +96,20 @@ def measure_point(point: Point, *, rank: int, device, budget: int | None) -> tup
     optimizer = step.make_optimizer(model, point)
     probe = memory_probe(point.device, model, optimizer, budget)
     _inject(point, model, rank)
+    compiled = CompileCounters() if point.compile != "off" else None
+    if compiled is not None:
+        compile_layers(model, point.compile)
 
     # Step 0, the parity step (the first, on unchanged weights), is not tracked: the capture keeps its outputs
-    # and gathers full gradients, which a training step never holds. Its optimizer step creates the state.
-    out = step.forward(model, batch)
-    out.loss.backward()
+    # and gathers full gradients, which a training step never holds. Its optimizer step creates the state. A
+    # compiled point compiles in it (timed: `compile_s`), so the tracked and timed steps run compiled code.
+    t_first = time.perf_counter()
+    with first_step(point.compile):
+        out = step.forward(model, batch)
+        out.loss.backward()
+    first_step_s = time.perf_counter() - t_first
+    if compiled is not None:
+        compiled.mark()
     ours, capture_error = None, None
     if mode != "off":
         ours, capture_error = capture(model, out, batch, point, mode, rank)
@@ -119,6 +129,8 @@ def measure_point(point: Point, *, rank: int, device, budget: int | None) -> tup
               "step_times_s": timer.times_s, "num_params": num_params, "model_type": model.config.model_type,
               "parity_mode": mode, "layout": getattr(getattr(model, "cp_resolved_plan", None), "layout", None),
               "run_s": time.perf_counter() - t_start}
+    if compiled is not None:
+        compiled.add_to(record, first_step_s, timer.times_s)
     del model, optimizer, probe
     gc.collect()
     if device.type == "cuda":

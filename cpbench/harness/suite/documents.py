@@ -239,19 +239,19 @@ def _drawn(mix: Mix, seq_len: int, batch_size: int, seed: int, padded: bool) -> 
     return out
 
 
-def suite_text_with(text: str, stem: str, value) -> str:
-    """A suite file's text with its `documents` set to `value`: what `sweep --documents` hands its ranks, which read
-    the suite from a file (the name kept: the results go where the suite's own would)."""
+def suite_text_with(text: str, stem: str, fields: dict) -> str:
+    """A suite file's text with `fields` set (its `documents`, its `compile`): what `sweep --documents` hands its
+    ranks, which read the suite from a file (the name kept: the results go where the suite's own would)."""
     raw = tomllib.loads(text)
     raw.setdefault("name", stem)
-    raw["documents"] = value
+    raw.update(fields)
     return "".join(f"{k} = {_toml(v)}\n" for k, v in raw.items())
 
 
-def suite_file_with(text: str, stem: str, value, folder) -> Path:
+def suite_file_with(text: str, stem: str, fields: dict, folder) -> Path:
     """`suite_text_with` written to `folder` (beside the results), whole each time, so that every rank of an external
     launch reads the same file."""
-    text = suite_text_with(text, stem, value)
+    text = suite_text_with(text, stem, fields)
     path = Path(folder) / f"{stem}.{hashlib.sha256(text.encode()).hexdigest()[:8]}.toml"
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}")

@@ -1,12 +1,24 @@
-"""The long-context levers of a suite, checked: recompute (every layer or every n-th), activation offload (the
-recompute checkpoints in host memory), parameter and optimizer offload (FSDP2's CPUOffloadPolicy) and the
-sequence-tiled MLP. Each error names the field, the value and the fix; every one is reported (suite_errors.py)."""
+"""The levers of a suite, checked: recompute (every layer or every n-th), activation offload (the recompute
+checkpoints in host memory), parameter and optimizer offload (FSDP2's CPUOffloadPolicy), the sequence-tiled MLP and
+torch.compile of each decoder layer. Each error names the field, the value and the fix; every one is reported
+(suite_errors.py)."""
 
 from __future__ import annotations
 
 from cpbench.harness.suite.suite_errors import Collector, err
 
 TILED_MLP_AUTO = "auto"
+# torch.compile's modes; a suite's `compile` is false / "off", true / "on" (torch's default mode) or one of them
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+def compile_mode(value) -> str:
+    """A suite's `compile` (false, true, "off", "on" or a mode) as the point's column: "off" or the mode."""
+    if value is False or value == "off":
+        return "off"
+    if value is True or value == "on":
+        return "default"
+    return str(value)
 
 
 def tiled_mlp_tiles(value) -> str:
@@ -43,6 +55,10 @@ def check_levers(suite) -> None:
     if not (isinstance(tiles, bool) or tiles == TILED_MLP_AUTO or (_is_count(tiles) and tiles >= 1)):
         found.errors.append(str(err("tiled_mlp", tiles, "must be true, false, \"auto\" (tiles whose largest "
                                     "intermediate stays within 1 GiB) or a tile count >= 1.")))
+    mode = suite.compile
+    if not (isinstance(mode, bool) or mode in ("off", "on", *COMPILE_MODES)):
+        found.errors.append(str(err("compile", mode, f"must be true, false, \"on\", \"off\" or a torch.compile mode "
+                                    f"{list(COMPILE_MODES)}.")))
     found.raise_any()
 
 

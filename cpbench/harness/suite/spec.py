@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from cpbench.harness.suite.checks import NO_STYLE, SuiteErrors, err, validate
-from cpbench.harness.suite.levers import tiled_mlp_tiles
+from cpbench.harness.suite.levers import compile_mode, tiled_mlp_tiles
 from cpbench.report.runs.schema import DEFAULTS, KEY_COLUMNS
 
 
@@ -81,6 +81,9 @@ class Suite:
     # cp/balance.py) or "sequence" (the plain zigzag: the balance off). Not part of a point's key: the same point
     # either way, so a run of one compares with a baseline of the other.
     balance: str = "documents"
+    # torch.compile of each decoder layer (harness/measure/compiled.py): false / "off", true / "on" (torch's default
+    # mode) or a mode ("max-autotune-no-cudagraphs", ...). The first step compiles; it is kept out of the timed ones.
+    compile: bool | str = False
 
     def points(self) -> list["Point"]:
         return expand(self)
@@ -154,6 +157,8 @@ class Point:
             parts.append("offload-params")
         if self.tiled_mlp != "off":
             parts.append(f"tiled-mlp-{self.tiled_mlp}")
+        if self.compile != "off":
+            parts.append("compiled" + ("" if self.compile == "default" else f"-{self.compile}"))
         if self.mixed_precision:
             parts.append("mixed-precision")
         if self.level != "model":
@@ -286,7 +291,7 @@ def _point(suite: Suite, model: str, cp: int, attn: str, style: str, seq_len: in
         activation_checkpointing=suite.activation_checkpointing, mixed_precision=suite.mixed_precision,
         recompute_every_n_layers=suite.recompute_every_n_layers if suite.activation_checkpointing else 1,
         offload_activations=suite.offload_activations, offload_params=suite.offload_params and world > 1,
-        tiled_mlp=tiled_mlp_tiles(suite.tiled_mlp),
+        tiled_mlp=tiled_mlp_tiles(suite.tiled_mlp), compile=compile_mode(suite.compile),
         parity_mode=suite.parity, reference=suite.reference, timeout_s=float(suite.timeout_s),
         seed=suite.seed, level=suite.level, implementation=impl,
         cp_ulysses_degree=suite.cp_ulysses_degree if style == "cp_usp" else 1, cp_plan=dict(suite.cp_plan),
