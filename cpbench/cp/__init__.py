@@ -13,7 +13,7 @@ from cpbench.cp.tiled_mlp import use_tiled_mlp
 from cpbench.cp.ulysses import check_ulysses, ulysses_attention
 from cpbench.cp.usp import check_usp, usp_attention
 
-register_attention_style("cp_ulysses", ulysses_attention, check=check_ulysses, replace=True)
+register_attention_style("cp_ulysses", ulysses_attention, check=check_ulysses, replace=True, traces=True)
 register_attention_style(
     "cp_ring", ring_attention, layout="contiguous", implementations=RING_IMPLEMENTATIONS, replace=True
 )

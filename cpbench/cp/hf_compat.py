@@ -145,17 +145,27 @@ def inner_attention(module: torch.nn.Module) -> Callable:
 
 
 def _cp_attention(module, query, key, value, attention_mask, **kwargs):
-    binding = module._cpbench_attention
     # The split hook hands the layout on in the layer's kwargs; a layer that does not pass its kwargs on to its
     # attention (nemotron, stablelm) leaves it to the forward's state, which holds the same layout.
-    layout = kwargs.pop(LAYOUT_KWARG, None) or binding.state.layout
+    layout = kwargs.pop(LAYOUT_KWARG, None)
+    if "_cpbench_calls" in module.__dict__:  # watched at its layer's first forward (families/mixers.py)
+        module._cpbench_calls += 1
+    if torch.compiler.is_compiling() and not module._cpbench_attention.style.traces:
+        from cpbench.cp.opaque import opaque_attention  # one custom op in the graph; the style runs eagerly in it
+
+        return opaque_attention(module, query, key, value, attention_mask, **kwargs)
+    return run_style(module, query, key, value, attention_mask, layout, **kwargs)
+
+
+def run_style(module, query, key, value, attention_mask, layout=None, **kwargs):
+    """`module`'s CP style on q/k/v (this rank's tokens), in the forward's layout unless `layout` is given."""
+    binding = module._cpbench_attention
+    layout = layout or binding.state.layout
     if layout is None:
         raise RuntimeError(
             f"{type(module).__name__} has a CP attention style but its decoder layer has no split style: "
             "add the layer to `cp_plan` with 'cp_split_sequence'."
         )
-    if "_cpbench_calls" in module.__dict__:  # watched at its layer's first forward (families/mixers.py)
-        module._cpbench_calls += 1
     if binding.kernel_target is not None:  # only when set (projections): a custom style need not know it
         kwargs[KERNEL_DEVICE_KWARG] = binding.kernel_target
     return binding.style.fn(
@@ -166,7 +176,10 @@ def _cp_attention(module, query, key, value, attention_mask, **kwargs):
 
 def bind_attention(module: torch.nn.Module, binding) -> None:
     """Routes `module`'s attention call through `binding` (a `.style`, a `.group`, and the forward's `.state`)."""
+    from cpbench.cp.opaque import bind_site
+
     module._cpbench_attention = binding
+    bind_site(module)
     if not isinstance(module.config, AttentionConfigView):
         module.config = AttentionConfigView(module.config, CP_ATTENTION_KEY)
 

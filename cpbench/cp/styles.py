@@ -40,6 +40,9 @@ class AttentionStyle:
     layout: str = "contiguous"
     implementations: tuple[str, ...] | None = None
     check: Callable[[object, int], None] | None = None  # (attention module, cp_size) -> raises if unservable
+    # dynamo traces `fn` whole (functional collectives, no host reads); otherwise a compiled layer runs it as one
+    # custom op (cp/opaque.py)
+    traces: bool = False
 
     def __post_init__(self):
         if self.layout not in LAYOUT_KINDS:
@@ -90,7 +93,9 @@ def register_attention_style(
     implementations: tuple[str, ...] | None = None,
     check: Callable[[object, object], None] | None = None,
     replace: bool = False,
+    traces: bool = False,
 ) -> AttentionStyle:
     """Registers a custom attention style that a `cp_plan` can name. `check(attention_module, distributed_config)`
-    raises a ValueError when the style cannot serve the module under that config."""
-    return STYLES.register(AttentionStyle(name, fn, layout, implementations, check), replace=replace)
+    raises a ValueError when the style cannot serve the module under that config. `traces`: torch.compile can trace
+    `fn` whole; otherwise a compiled layer runs it as one opaque custom op (cp/opaque.py)."""
+    return STYLES.register(AttentionStyle(name, fn, layout, implementations, check, traces), replace=replace)
