@@ -151,7 +151,7 @@ def _cp_attention(module, query, key, value, attention_mask, **kwargs):
     if "_cpbench_calls" in module.__dict__:  # watched at its layer's first forward (families/mixers.py)
         module._cpbench_calls += 1
     if torch.compiler.is_compiling() and not module._cpbench_attention.style.traces:
-        from cpbench.cp.opaque import opaque_attention  # one custom op in the graph; the style runs eagerly in it
+        from cpbench.cp.ring.compiled import opaque_attention  # one op in the graph; the style runs eagerly in it
 
         return opaque_attention(module, query, key, value, attention_mask, **kwargs)
     return run_style(module, query, key, value, attention_mask, layout, **kwargs)
@@ -176,10 +176,10 @@ def run_style(module, query, key, value, attention_mask, layout=None, **kwargs):
 
 def bind_attention(module: torch.nn.Module, binding) -> None:
     """Routes `module`'s attention call through `binding` (a `.style`, a `.group`, and the forward's `.state`)."""
-    from cpbench.cp.opaque import bind_site
+    from cpbench.cp.ring.compiled import bind_site
 
     module._cpbench_attention = binding
-    bind_site(module)
+    bind_site(module, run_style)
     if not isinstance(module.config, AttentionConfigView):
         module.config = AttentionConfigView(module.config, CP_ATTENTION_KEY)
 

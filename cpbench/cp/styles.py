@@ -41,7 +41,7 @@ class AttentionStyle:
     implementations: tuple[str, ...] | None = None
     check: Callable[[object, int], None] | None = None  # (attention module, cp_size) -> raises if unservable
     # dynamo traces `fn` whole (functional collectives, no host reads); otherwise a compiled layer runs it as one
-    # custom op (cp/opaque.py)
+    # custom op (cp/ring/compiled.py)
     traces: bool = False
 
     def __post_init__(self):
@@ -97,5 +97,5 @@ def register_attention_style(
 ) -> AttentionStyle:
     """Registers a custom attention style that a `cp_plan` can name. `check(attention_module, distributed_config)`
     raises a ValueError when the style cannot serve the module under that config. `traces`: torch.compile can trace
-    `fn` whole; otherwise a compiled layer runs it as one opaque custom op (cp/opaque.py)."""
+    `fn` whole; otherwise a compiled layer runs it as one opaque custom op (cp/ring/compiled.py)."""
     return STYLES.register(AttentionStyle(name, fn, layout, implementations, check, traces), replace=replace)

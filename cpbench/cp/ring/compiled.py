@@ -1,4 +1,4 @@
-"""A CP attention style that dynamo cannot trace, as one `torch.library` custom op in a compiled layer.
+"""The ring styles in a compiled layer: a CP attention style that dynamo cannot trace, as one `torch.library` op.
 
 The ring styles (cp_ring, cp_ring_zigzag, cp_usp) post P2P transfers, choose their kernels and read the batch's
 documents on the host: Python that would break the graph many times per layer. Inside a compiled layer their whole
@@ -9,7 +9,7 @@ backward): it keeps the style's autograd graph under a handle that the op return
 runs that graph's backward.
 
 What the style needs that is not a tensor comes from outside the graph at run time: the attention module (by a
-site number bound once, `bind_site`), its binding (style, group) and the forward's layout (the model-level forward,
+site number bound once, `bind_site`, with the function that runs its style), its binding (style, group) and the forward's layout (the model-level forward,
 which stays eager, works it out once per step). The per-call scalars (scaling, dropout, sliding window, softcap)
 are op arguments: constants of the graph, the same every step, so no recompile.
 """
@@ -21,7 +21,7 @@ import weakref
 
 import torch
 
-_SITES: dict[int, weakref.ref] = {}  # site -> attention module
+_SITES: dict[int, tuple] = {}  # site -> (attention module (weakly), the function that runs its style)
 _GRAPHS: dict[int, tuple] = {}  # handle -> (output, inputs) of a forward whose backward has not run
 _PENDING: dict[int, int] = {}  # site -> the handle of its latest forward (a forward never backed up is dropped)
 _HANDLES = itertools.count(1)
@@ -29,13 +29,14 @@ SCALARS = ("scaling", "dropout", "sliding_window", "softcap")
 TENSORS = ("position_ids",)
 
 
-def bind_site(module: torch.nn.Module) -> int:
-    """The module's site number (idempotent): what a compiled layer's op names it by."""
+def bind_site(module: torch.nn.Module, run) -> int:
+    """The module's site number (idempotent): what a compiled layer's op names it by. `run(module, q, k, v, mask,
+    **kwargs)` runs its style eagerly (hf_compat.run_style)."""
     site = module.__dict__.get("_cpbench_site")
     if site is None:
         site = len(_SITES) + 1
         module._cpbench_site = site
-    _SITES[site] = weakref.ref(module)
+    _SITES[site] = (weakref.ref(module), run)
     return site
 
 
@@ -43,9 +44,8 @@ def bind_site(module: torch.nn.Module) -> int:
 def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                  position_ids: torch.Tensor | None, site: int, scaling: float | None, dropout: float,
                  sliding_window: int | None, softcap: float | None) -> tuple[torch.Tensor, torch.Tensor]:
-    from cpbench.cp.hf_compat import run_style
-
-    module = _SITES[site]()
+    ref, run_style = _SITES[site]
+    module = ref()
     kwargs = {"scaling": scaling, "dropout": dropout, "sliding_window": sliding_window, "softcap": softcap,
               "position_ids": position_ids}
     inputs = [x.detach().requires_grad_(True) for x in (q, k, v)]  # the op cannot see if grad is wanted
