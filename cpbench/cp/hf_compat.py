@@ -145,27 +145,24 @@ def inner_attention(module: torch.nn.Module) -> Callable:
 
 
 def _cp_attention(module, query, key, value, attention_mask, **kwargs):
-    # The split hook hands the layout on in the layer's kwargs; a layer that does not pass its kwargs on to its
-    # attention (nemotron, stablelm) leaves it to the forward's state, which holds the same layout.
-    layout = kwargs.pop(LAYOUT_KWARG, None)
     if "_cpbench_calls" in module.__dict__:  # watched at its layer's first forward (families/mixers.py)
         module._cpbench_calls += 1
     if torch.compiler.is_compiling() and not module._cpbench_attention.style.traces:
         from cpbench.cp.ring.compiled import opaque_attention  # one op in the graph; the style runs eagerly in it
 
+        kwargs.pop(LAYOUT_KWARG, None)  # the op reads the forward's layout when it runs
         return opaque_attention(module, query, key, value, attention_mask, **kwargs)
-    return run_style(module, query, key, value, attention_mask, layout, **kwargs)
+    return run_style(module, query, key, value, attention_mask, **kwargs)
 
 
-def run_style(module, query, key, value, attention_mask, layout=None, **kwargs):
-    """`module`'s CP style on q/k/v (this rank's tokens), in the forward's layout unless `layout` is given."""
+def run_style(module, query, key, value, attention_mask, **kwargs):
+    """`module`'s CP style on q/k/v (this rank's tokens). The split hook hands the layout on in the layer's kwargs; a
+    layer that does not pass them on to its attention (nemotron, stablelm) leaves it to the forward's state."""
     binding = module._cpbench_attention
-    layout = layout or binding.state.layout
+    layout = kwargs.pop(LAYOUT_KWARG, None) or binding.state.layout
     if layout is None:
-        raise RuntimeError(
-            f"{type(module).__name__} has a CP attention style but its decoder layer has no split style: "
-            "add the layer to `cp_plan` with 'cp_split_sequence'."
-        )
+        raise RuntimeError(f"{type(module).__name__} has a CP attention style but its decoder layer has no split "
+                           "style: add the layer to `cp_plan` with 'cp_split_sequence'.")
     if binding.kernel_target is not None:  # only when set (projections): a custom style need not know it
         kwargs[KERNEL_DEVICE_KWARG] = binding.kernel_target
     return binding.style.fn(
