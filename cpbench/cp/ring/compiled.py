@@ -25,8 +25,7 @@ _SITES: dict[int, tuple] = {}  # site -> (attention module (weakly), the functio
 _GRAPHS: dict[int, tuple] = {}  # handle -> (output, inputs) of a forward whose backward has not run
 _PENDING: dict[int, int] = {}  # site -> the handle of its latest forward (a forward never backed up is dropped)
 _HANDLES = itertools.count(1)
-SCALARS = ("scaling", "dropout", "sliding_window", "softcap")
-TENSORS = ("position_ids",)
+TENSORS = ("position_ids",)  # the tensor kwargs the op carries (besides the mask); scalars: its own arguments
 
 
 def bind_site(module: torch.nn.Module, run) -> int:
@@ -116,6 +115,6 @@ def opaque_attention(module, query, key, value, attention_mask, **kwargs):
             f"carry the tensors {unknown}; compile this model with cp_ulysses, or leave its layers eager.")
     mask = attention_mask if isinstance(attention_mask, torch.Tensor) else None
     out, _ = cp_attention(query, key, value, mask, kwargs.get("position_ids"), module._cpbench_site,
-                          *(kwargs.get(k) for k in SCALARS[:1]), kwargs.get("dropout") or 0.0,
-                          *(kwargs.get(k) for k in SCALARS[2:]))
+                          scaling=kwargs.get("scaling"), dropout=kwargs.get("dropout") or 0.0,
+                          sliding_window=kwargs.get("sliding_window"), softcap=kwargs.get("softcap"))
     return out, None
