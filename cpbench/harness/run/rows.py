@@ -140,7 +140,11 @@ def projected_time_columns(records: list[dict], flops: float, point: Point) -> d
     if len(times) == len(records):  # every rank's projected step (a rank that was not projected repeats its stand-in)
         steps = [t["step_s"] for t in times]
         per_rank = {"step_time_per_rank_s": steps, "slowest_rank": records[steps.index(max(steps))]["rank"]}
-    return {"gpu_profile": slowest["gpu"], "projected_step_s": step_s, **per_rank,
+    # the kernels the slowest rank's attention calls were priced as (timing.attention_kernels: forward calls per
+    # kernel class, e.g. 'cudnn:36'), so a row says which kernel its ring tiles (or its model's own call) ran
+    kernels = {"attention_kernels": slowest["attention_kernels"]} if slowest.get("attention_kernels") else {}
+    pricing = {"projected_pricing": slowest["pricing"]} if slowest.get("pricing") else {}
+    return {"gpu_profile": slowest["gpu"], "projected_step_s": step_s, **per_rank, **kernels, **pricing,
             **{f"projected_{k}": slowest[k] for k in parts},
             "projected_tokens_per_s": point.seq_len * point.batch_size * _dp(point) / step_s,
             "projected_mfu": flops / point.world_size / step_s / slowest["peak_flops"]}
