@@ -3,6 +3,7 @@ with transformers)."""
 
 from cpbench.cp import apply, hf_compat
 from cpbench.cp.apply import parallelize, use_loss
+from cpbench.cp.balance import use_balance
 from cpbench.cp.config import DistributedConfig
 from cpbench.cp.layout import SequenceLayout, gather_sequence
 from cpbench.cp.loss.causal_lm import cp_causal_lm_loss
@@ -39,6 +40,7 @@ __all__ = [
     "parallelize",
     "register_attention_style",
     "resolve_plan",
+    "use_balance",
     "use_loss",
     "use_tiled_mlp",
 ]

@@ -151,10 +151,12 @@ class SequenceLayout:
         return F.pad(x, pad, value=value)
 
     def cut(self, x: torch.Tensor, dim: int, pad_value: float = 0.0) -> torch.Tensor:
-        """This rank's tokens of a full-length `x` (padded first if needed)."""
+        """This rank's tokens of a full-length `x` (padded first if needed). A contiguous layout's slice is a view of
+        `x`; a zigzag one is its own tensor, even where its runs join into one (zigzag rank cp-1 of an unplaced layout):
+        a view would keep the whole of `x` alive for as long as the slice is saved."""
         x = self.pad(x, dim, pad_value)
         runs = self.runs_of(self.rank)
-        if len(runs) == 1:
+        if len(runs) == 1 and self.kind == "contiguous":
             return x.narrow(dim, runs[0][0], runs[0][1] - runs[0][0])
         if len(runs) <= INDEXED_RUNS:
             return torch.cat([x.narrow(dim, a, b - a) for a, b in runs], dim)

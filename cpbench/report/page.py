@@ -27,6 +27,11 @@ FIGURE_TITLES = {"memory": "Peak memory per rank", "time": "Step time and throug
                  "balance": "Attention work per cp rank on packed points"}
 
 
+# The report's figures: each is drawn when the run has something for it to show, else listed with why (the peers
+# figure, for peer runs only, comes beside them).
+FIGURES = {**plots.FIGURES, "balance": balance.balance_figure}
+
+
 @dataclass(frozen=True)
 class ReportFiles:
     html: Path
@@ -43,7 +48,7 @@ def save_figures(frame: pd.DataFrame, out_dir: str | Path, capacity: float | Non
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths, omitted = {}, {}
-    for name, draw in plots.FIGURES.items():
+    for name, draw in FIGURES.items():
         fig = draw(frame, capacity) if name == "memory" else draw(frame)
         why = plots.nothing_to_show(fig)
         if why is not None:
@@ -54,9 +59,6 @@ def save_figures(frame: pd.DataFrame, out_dir: str | Path, capacity: float | Non
     if has_peers(frame):
         paths["peers"] = out_dir / "peers.png"
         peers_figure(frame).savefig(paths["peers"], dpi=100)
-    if not balance.packed_points(frame).empty:  # a run without packed points has no such figure to miss
-        paths["balance"] = out_dir / "balance.png"
-        balance.balance_figure(frame).savefig(paths["balance"], dpi=100)
     return paths, omitted
 
 

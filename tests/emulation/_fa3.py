@@ -58,7 +58,7 @@ def window(seqlen_q: int, seqlen_k: int, causal: bool, left: int, right: int):
 
 
 def visible(lq: int, lk: int, win) -> torch.Tensor:
-    """hopper/mask.h, per sequence: bottom-right aligned."""
+    """hopper/mask.h Mask::apply (causal_row_offset), per sequence: bottom-right aligned."""
     is_causal, is_local, left, right = win
     i = torch.arange(lq)[:, None] + lk - lq
     j = torch.arange(lk)[None, :]

@@ -187,8 +187,8 @@ CONTRACT = [
          test="test_fa3_backward_reads_lse_contiguous", enforced="storage_read; Undefined for non-fp32"),
     _row("window", _ALL, f"{API} mha_fwd, set_params_fprop", "left >= S_k - 1, right >= S_q - 1 -> -1; causal -> "
          "right 0; then -1 -> S_k - 1 / S_q - 1", kind="semantics", test="test_fa3_window_rules"),
-    _row("causal_alignment", _ALL, "hopper/mask.h", "causal and local bottom-right per sequence", kind="semantics",
-         test="test_fa3_causal_is_bottom_right"),
+    _row("causal_alignment", _ALL, "hopper/mask.h Mask::apply (causal_row_offset)",
+         "causal and local bottom-right per sequence", kind="semantics", test="test_fa3_causal_is_bottom_right"),
     _row("outputs", _FWD, f"{API} mha_fwd; {PY} _flash_attn_forward_fake", "out [.., H, D_v] in q's dtype; LSE fp32 "
          "[B, H, S_q] / [H, total_q]; empty rows out 0, LSE -inf", kind="semantics", test="test_fa3_outputs"),
 ]

@@ -39,7 +39,7 @@ def test_a_run_where_nothing_finished_still_draws_its_failures_and_writes_no_emp
     frame = make_run(seq_lens=(256,), cp_sizes=(1,), oom_cp1_at=256)
     paths, omitted = page.save_figures(frame, tmp_path)
     assert "memory" in paths and "time" not in paths and "parity" not in paths  # the oom point, at its peak
-    assert set(omitted) == set(plots.FIGURES) - set(paths) and "no point finished ok" in omitted["time"]
+    assert set(omitted) == set(page.FIGURES) - set(paths) and "no point finished ok" in omitted["time"]
     assert all(p.read_bytes().startswith(PNG) for p in paths.values())
 
 

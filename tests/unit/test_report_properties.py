@@ -54,8 +54,18 @@ def expected_figures(frame: pd.DataFrame) -> set[str]:
     scaled = any(tuple(r) in cp1 for r in ok[ok["cp_size"] > 1][match].astype(str).itertuples(index=False))
     shown = {"memory": len(ok) > 0 or frame["status"].isin(["oom", "error", "timeout"]).any(),
              "time": bool(timed.any()), "scaling": scaled, "memory_breakdown": len(ok) > 0,
-             "parity": frame["parity_status"].isin(["pass", "fail"]).any(), "largest_fit": len(ok) > 0}
+             "parity": frame["parity_status"].isin(["pass", "fail"]).any(), "largest_fit": len(ok) > 0,
+             "balance": bool(((ok["cp_size"] > 1) & (ok["batch_kind"] != "plain")
+                              & ok["attention_pairs_per_rank"].map(_listed)).any())}
+    # Every figure the report knows is judged here (a new one must say when it has something to show); the peers
+    # figure belongs to peer runs only (tests/e2e/test_peers.py).
+    assert set(shown) == set(page.FIGURES) == set(page.FIGURE_TITLES) - {"peers"}
     return {name for name, yes in shown.items() if yes}
+
+
+def _listed(value) -> bool:
+    """A per-rank list with something in it (not None, NaN or empty)."""
+    return value is not None and not isinstance(value, (float, str)) and len(value) > 0
 
 
 def _versioned(max_points: int = MAX_POINTS):
@@ -72,7 +82,7 @@ def test_the_report_of_any_run_has_every_figure_with_data_and_says_why_of_the_ot
         frame = load_run(run)
         files = page.write_report(frame, Path(tmp) / "report")
         assert set(files.plots) - {"peers"} == expected_figures(frame)
-        assert set(files.omitted) == set(plots.FIGURES) - set(files.plots)
+        assert set(files.omitted) == set(page.FIGURES) - set(files.plots)
         assert all(why.strip() for why in files.omitted.values())
         text = files.markdown.read_text()
         for name in files.omitted:
@@ -86,7 +96,7 @@ def test_a_figure_draws_the_labels_it_coloured(rows):
     frame = store.to_table(rows).to_pandas()
     colors = plots.config_colors(frame)
     assert set(derive.with_config(frame)["config"]) == set(colors)
-    for name, draw in plots.FIGURES.items():
+    for name, draw in page.FIGURES.items():
         fig = draw(frame)
         labels = {h.get_label() for ax in fig.axes for h in ax.get_legend_handles_labels()[0]}
         drawn = {label for label in labels if label in colors}  # a configuration's own line or bars

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import time
+from dataclasses import replace
 
 import torch.distributed as dist
 
@@ -104,6 +105,27 @@ def kernel_target_of(point: Point, hardware=None):
                         sdpa_kernel=sdpa if sdpa in SDPA_KERNELS else None)
 
 
+# A flash backend's CUDA kernels cannot run on fake tensors: its point runs as sdpa's fused kernels (per call the same
+# output and fp32 log-sum-exp, so the same memory up to the kernels' workspaces) and its attention calls are priced as
+# the backend's own kernel (trace.StepTrace's attention_family; gpus.toml's attention_fa3/fa4 efficiencies).
+PRICED_AS = {"flash_attention_2": ("", "FlashAttention-2"), "flash_attention_3": ("_fa3", "FlashAttention-3"),
+             "flash_attention_4": ("_fa4", "FlashAttention-4")}
+
+
+def runs_as(point: Point) -> Point:
+    """The point a projection runs: a flash backend's as sdpa (PRICED_AS), any other as it is."""
+    return replace(point, attn_implementation="sdpa") if point.attn_implementation in PRICED_AS else point
+
+
+def pricing_of(point: Point) -> str:
+    """How a projection prices `point`'s step (the row's `projected_pricing`)."""
+    if point.attn_implementation in PRICED_AS:
+        kernel = PRICED_AS[point.attn_implementation][1]
+        return (f"eager; {point.attn_implementation} run as sdpa on fake tensors, its attention calls priced as "
+                f"{kernel}")
+    return "eager"
+
+
 def project_rank(point: Point, rank: int, hardware=None, gpus_per_node: int = 8, keep_trace: bool = False) -> dict:
     """One rank's record, like a measured rank's (worker.run_point) without parity; with a GPU profile
     (`hardware`), its projected time (timing.py). `keep_trace`: the record keeps the op trace (`trace`), for
@@ -111,6 +133,8 @@ def project_rank(point: Point, rank: int, hardware=None, gpus_per_node: int = 8,
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     t0 = time.perf_counter()
+    family, pricing = PRICED_AS.get(point.attn_implementation, (None,))[0], pricing_of(point)
+    point = runs_as(point)
     with fake_world(point.world_size, rank):
         mesh = _mesh(point)
         with fake_tensors() as mode:
@@ -123,7 +147,8 @@ def project_rank(point: Point, rank: int, hardware=None, gpus_per_node: int = 8,
             optimizer = step.make_optimizer(model, point)
             probe = memory_probe("cpu", model, optimizer, None)
             step.train_step(model, optimizer, batch)  # step 0: creates the optimizer state, untracked
-            trace = StepTrace(probe.host, gpus_per_node) if hardware is not None or keep_trace else None
+            trace = (StepTrace(probe.host, gpus_per_node, attention_family=family)
+                     if hardware is not None or keep_trace else None)
             hooks = trace.optimizer_hooks(optimizer) if trace else []
             comm = step.tracked_steps(point, model, optimizer, batch, probe, steps=1,  # fake steps are identical
                                       last=[trace] if trace else [])
@@ -135,7 +160,7 @@ def project_rank(point: Point, rank: int, hardware=None, gpus_per_node: int = 8,
             if trace is not None:
                 trace.close()
                 if hardware is not None:
-                    record["time"] = {"gpu": hardware.name, "peak_flops": hardware.peak(point.dtype),
+                    record["time"] = {"gpu": hardware.name, "peak_flops": hardware.peak(point.dtype), "pricing": pricing,
                                       **simulate(trace.ops, hardware, point.dtype)}
                 if keep_trace:
                     record["trace"] = trace.ops

@@ -90,9 +90,13 @@ class StepTrace(TorchDispatchMode):
     """While entered: the ops of this rank's step (`ops`). `ledger`: the probe's HostLedger, whose moves become
     transfers; `gpus_per_node`: whether a collective's group leaves its node."""
 
-    def __init__(self, ledger=None, gpus_per_node: int = 8):
+    def __init__(self, ledger=None, gpus_per_node: int = 8, attention_family: str | None = None):
         super().__init__()
         self.ops: list[Op] = []
+        # A flash backend's point runs as sdpa on fake tensors (projection.runs_as): its attention calls, the model's
+        # own and the ring's tiles, are that backend's kernel ("" FlashAttention-2, "_fa3", "_fa4"). The tiles a
+        # varlen call cannot say keep their kernel (the memory-efficient one with a bias), as on the GPU.
+        self.attention_family = attention_family
         self.phase = "step"
         self.gpus_per_node = gpus_per_node
         self._stream_of: dict[int, str] = {}  # buffer key -> the stream that wrote it last
@@ -156,7 +160,9 @@ class StepTrace(TorchDispatchMode):
         elif name in work.ATTENTION:
             spec = work.ATTENTION[name]
             family = spec.family
-            if family == "_sdpa" and _arg(func, args, kwargs, "attn_mask") is not None:
+            if self.attention_family is not None and family in ("", "_cudnn", "_sdpa"):
+                family = self.attention_family
+            elif family == "_sdpa" and _arg(func, args, kwargs, "attn_mask") is not None:
                 family = "_efficient"  # the model's own SDPA call with a mask: CUDA's SDPA takes this kernel
             flops, shape = work.attention(name, args, kwargs)
             kind = f"attention{family}_{spec.direction}"

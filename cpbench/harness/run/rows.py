@@ -115,7 +115,8 @@ def measured_row(point: Point, records: list[dict], wall_s: float, **ctx) -> dic
     if row["measurement"] == "projected":
         row.update(parity_status="skipped", parity_detail="a projection computes no values: no parity")
         row.update(projected_time_columns(records, row["flops_per_step"], point))
-        row["projected_pricing"] = "eager"  # each op priced on its own: no fused chains (torch.compile) yet
+        if not row.get("projected_pricing"):  # each op priced on its own: no fused chains (torch.compile) yet
+            row["projected_pricing"] = "eager"
         if point.compile != "off":
             note = (f"compile={point.compile}: the projection priced the eager step (each op on its own, no fused "
                     "chains); a measured run gives the compiled step's time")
@@ -145,7 +146,11 @@ def projected_time_columns(records: list[dict], flops: float, point: Point) -> d
     if len(times) == len(records):  # every rank's projected step (a rank that was not projected repeats its stand-in)
         steps = [t["step_s"] for t in times]
         per_rank = {"step_time_per_rank_s": steps, "slowest_rank": records[steps.index(max(steps))]["rank"]}
-    return {"gpu_profile": slowest["gpu"], "projected_step_s": step_s, **per_rank,
+    # the kernels the slowest rank's attention calls were priced as (timing.attention_kernels: forward calls per
+    # kernel class, e.g. 'cudnn:36'), so a row says which kernel its ring tiles (or its model's own call) ran
+    kernels = {"attention_kernels": slowest["attention_kernels"]} if slowest.get("attention_kernels") else {}
+    pricing = {"projected_pricing": slowest["pricing"]} if slowest.get("pricing") else {}
+    return {"gpu_profile": slowest["gpu"], "projected_step_s": step_s, **per_rank, **kernels, **pricing,
             **{f"projected_{k}": slowest[k] for k in parts},
             "projected_tokens_per_s": point.seq_len * point.batch_size * _dp(point) / step_s,
             "projected_mfu": flops / point.world_size / step_s / slowest["peak_flops"]}

@@ -82,9 +82,6 @@ class SkipRules:
     def _projectable(point: Point) -> str | None:
         if point.level == "attention":
             return "a projection runs the model's training step; level = \"attention\" points are measured only"
-        if point.attn_implementation in KERNEL_PACKAGES:
-            return (f"a projection runs on CPU fake tensors, where {point.attn_implementation}'s CUDA kernels cannot "
-                    "run; project the sdpa points instead (on CUDA, sdpa runs the flash and memory-efficient kernels)")
         if point.attn_implementation == "flex_attention":
             return "a projection cannot run flex_attention's compiled kernels on fake tensors"
         if point.loss_mode == "liger":

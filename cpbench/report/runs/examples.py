@@ -199,7 +199,7 @@ def _finished(rng, row: dict, world: int, kind: str, timed: bool) -> dict:
         pairs = [int(v) for v in rng.integers(1, 10**12, size=row["cp_size"])]
         out.update(attention_pairs=max(pairs), attention_pairs_per_rank=pairs,
                    attention_imbalance=max(pairs) / (sum(pairs) / len(pairs)))
-    if row["device"] == "cuda" and rng.random() < 0.5:
+    if (row["device"] == "cuda" or kind == "projected") and rng.random() < 0.5:  # a projection: its GPU's kernels
         out["attention_kernels"] = str(rng.choice(["cudnn:12,efficient:4", "flash:8", "fa3:16"]))
     if row["compile"] != "off":
         out.update(graph_breaks=int(rng.integers(0, 3)), recompiles=int(rng.integers(0, 2)),
@@ -246,7 +246,11 @@ def _time(rng, row: dict, cuda: bool) -> dict:
 def _projected_time(rng, row: dict) -> dict:
     step = float(rng.lognormal(0, 2))
     parts = rng.dirichlet(np.ones(5)) * step
-    return {"gpu_profile": str(rng.choice(["h100-sxm", "a100-sxm"])), "projected_step_s": step,
+    steps = [step * float(f) for f in rng.uniform(0.8, 1.0, size=row["world_size"])]  # every rank's projected step
+    slowest = int(rng.integers(0, row["world_size"]))
+    steps[slowest] = step  # the row's step is the slowest rank's (rows.projected_time_columns)
+    per_rank = {"step_time_per_rank_s": steps, "slowest_rank": slowest} if rng.random() < 0.8 else {}
+    return {"gpu_profile": str(rng.choice(["h100-sxm", "a100-sxm"])), "projected_step_s": step, **per_rank,
             "projected_pricing": "fused" if row["compile"] != "off" else "eager",
             "projected_compute_s": float(parts[0]), "projected_optimizer_s": float(parts[1]),
             "projected_comm_exposed_s": float(parts[2]), "projected_transfer_exposed_s": float(parts[3]),

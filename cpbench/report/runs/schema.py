@@ -147,8 +147,9 @@ COLUMNS: dict[str, tuple[pa.DataType, str]] = {
     "attention_pairs_per_rank": (_LIST_I64, "query-key pairs each rank's attention computes in one forward of one "
                                  "layer (what its mask keeps: causal, documents, windows)"),
     "attention_imbalance": (pa.float64(), "max / mean of attention_pairs_per_rank over the cp ranks (1: balanced)"),
-    "attention_kernels": (pa.string(), "the kernels the attention ran, with their tile counts, e.g. "
-                          "'cudnn:12,efficient:4' (null where the model's own attention call ran)"),
+    "attention_kernels": (pa.string(), "the kernels a projection priced the attention calls as (the ring's tiles "
+                          "or the model's own call), forward calls per kernel, e.g. 'cudnn:12,efficient:4'; null "
+                          "without a GPU profile"),
     # torch.compile
     "graph_breaks": (pa.int64(), "dynamo graph breaks in one compiled step, max over ranks (null: not compiled)"),
     "recompiles": (pa.int64(), "recompilations after the first step, max over ranks (null: not compiled)"),
@@ -165,7 +166,8 @@ COLUMNS: dict[str, tuple[pa.DataType, str]] = {
     "projected_tokens_per_s": (pa.float64(), "tokens of the global batch per projected second"),
     "projected_mfu": (pa.float64(), "model FLOPs utilisation at the projected step time, against the profile's peak"),
     "projected_pricing": (pa.string(), "how a projection priced the step: eager (each op) or fused (a compiled "
-                          "point's element-wise chains fused)"),
+                          "point's element-wise chains fused), and a flash backend's point run as sdpa with its "
+                          "attention priced as its own kernel"),
     # parity against the unsharded reference of the same weights and batch
     "parity_status": (pa.string(), "pass | fail | reference_oom | error | skipped"),
     "parity_detail": (pa.string(), "why parity is not pass, or null"),
