@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 
 from cpbench.cli import main
-from cpbench.report import plots
+from cpbench.report import page
 from tests.report_fixtures import make_run, row_of, write_run
 
 ROOT = Path(__file__).parents[2]
@@ -117,8 +117,8 @@ def test_a_run_holding_a_point_twice_exits_2_naming_it(runs, capsys, command):
 
 def test_report_device_memory_reaches_the_memory_plot_in_bytes(runs, monkeypatch):
     seen = []
-    draw = plots.FIGURES["memory"]
-    monkeypatch.setitem(plots.FIGURES, "memory", lambda frame, capacity=None: seen.append(capacity) or draw(frame, capacity))
+    draw = page.FIGURES["memory"]  # the figures the report draws (plots' and the balance figure)
+    monkeypatch.setitem(page.FIGURES, "memory", lambda frame, capacity=None: seen.append(capacity) or draw(frame, capacity))
     assert main(["report", str(runs["run"]), "--device-memory", "80GB"]) == 0
     assert seen == [80 * 10**9]
 
