@@ -100,6 +100,7 @@ def _register_estimate(subparsers) -> None:
     est.add_argument("--cp-plan", default=None, metavar="JSON|STYLE", help=CP_PLAN_HELP)
     est.add_argument("--documents", default=None, metavar="MIX|LENGTHS", help=DOCUMENTS_HELP)
     est.add_argument("--compile", nargs="?", const="on", default=None, metavar="MODE", help=COMPILE_HELP)
+    est.add_argument("--balance", choices=("documents", "sequence"), default=None, help=BALANCE_HELP)
     quick.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                        help="a model config value (repeatable), e.g. max_position_embeddings=1048576")
     est.set_defaults(func=estimate_command)
@@ -111,6 +112,8 @@ CP_PLAN_HELP = ("the CP plan in place of the suite's: a JSON object of module pa
 DOCUMENTS_HELP = ("packed documents in place of the suite's: a shipped mix (meta-128k, prolong-64k, llama3-sft, longalign, "
                   "pile), or lengths summing to the sequence length, e.g. 50000,30000,51072 (pad:N for N padded "
                   "tokens; rows separated by ';')")
+BALANCE_HELP = ("the zigzag ring's placement (cp_ring_zigzag, cp_usp), in place of the suite's `balance`: documents (the "
+                "default: every rank the same attention work of the batch's documents) or sequence (the plain zigzag)")
 COMPILE_HELP = ("torch.compile each decoder layer, in place of the suite's `compile`: alone (torch's default mode), off, or "
                 "a mode (max-autotune-no-cudagraphs, ...); rows record graph_breaks, recompiles and compile_s. A "
                 "projection prices the eager step (its row's projected_pricing says so)")
@@ -131,6 +134,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cp-plan", default=None, metavar="JSON|STYLE", help=CP_PLAN_HELP)
     p.add_argument("--documents", default=None, metavar="MIX|LENGTHS", help=DOCUMENTS_HELP)
     p.add_argument("--compile", nargs="?", const="on", default=None, metavar="MODE", help=COMPILE_HELP)
+    p.add_argument("--balance", choices=("documents", "sequence"), default=None, help=BALANCE_HELP)
     p.add_argument("--memory-budget", default=None, help="e.g. 80GiB: a point whose peak passes it is `oom`")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--allow-faults", action="store_true",
@@ -146,7 +150,8 @@ def _options(args, only=()):
 
 
 def _suite_with_flags(args):
-    """The suite, or with `--documents` / `--compile` a copy of it that holds them (documents.suite_file_with)."""
+    """The suite, or with `--documents` / `--compile` / `--balance` a copy of it that holds them
+    (documents.suite_file_with)."""
     fields = {}
     if getattr(args, "documents", None) is not None:
         from cpbench.harness.suite import documents
@@ -154,6 +159,8 @@ def _suite_with_flags(args):
         fields["documents"] = documents.parse(args.documents)
     if getattr(args, "compile", None) is not None:
         fields["compile"] = args.compile
+    if getattr(args, "balance", None) is not None:
+        fields["balance"] = args.balance
     if not fields:
         return args.suite
     from cpbench.harness.suite import documents
@@ -247,7 +254,7 @@ def _quick_suite(args):
     if args.suite is not None:
         if args.model is not None:
             raise ValueError("give a suite file or --model, not both")
-        if args.documents is not None or args.compile is not None:
+        if args.documents is not None or args.compile is not None or args.balance is not None:
             return resolve_suite(_suite_with_flags(args), cp_plan=args.cp_plan)
         return resolve_suite(args.suite, cp_plan=args.cp_plan)
     if args.model is None or args.seq is None:
@@ -266,6 +273,8 @@ def _quick_suite(args):
               "warmup_steps": 1, "measured_steps": 1}
     if args.compile is not None:
         fields["compile"] = args.compile
+    if args.balance is not None:
+        fields["balance"] = args.balance
     if args.tiled_mlp is not None:
         fields["tiled_mlp"] = "auto" if args.tiled_mlp == "auto" else _ints("--tiled-mlp", args.tiled_mlp)[0]
     if args.world_size is not None:

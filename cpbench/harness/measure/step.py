@@ -94,6 +94,8 @@ def distribute(model: torch.nn.Module, point: Point, mesh=None, kernel_device=No
         cpbench.use_tiled_mlp(model, "auto" if point.tiled_mlp == "auto" else int(point.tiled_mlp))
     if point.world_size > 1:
         model = _parallelize(model, point, mesh, kernel_device)
+        if point.cp_size > 1 and point.balance != "documents":  # the plain zigzag (the balance off)
+            cpbench.use_balance(model, point.balance)
     return cpbench.use_loss(model, point.loss_mode) if point.loss_mode != "full" else model
 
 

@@ -173,6 +173,8 @@ def _model_calls(r) -> list[str]:
         calls.append(f"cpbench.use_tiled_mlp(model, {r['tiled_mlp']!r})")
     if r["loss_mode"] != "full":
         calls.append(f"cpbench.use_loss(model, {r['loss_mode']!r})")
+    if r.get("balance") not in (None, "documents"):
+        calls.append(f"cpbench.use_balance(model, {r['balance']!r})")
     return calls
 
 

@@ -18,6 +18,8 @@ from cpbench.harness.suite.checks import NO_STYLE, SuiteErrors, err, validate
 from cpbench.harness.suite.levers import compile_mode, tiled_mlp_tiles
 from cpbench.report.runs.schema import DEFAULTS, KEY_COLUMNS
 
+BALANCED_STYLES = ("cp_ring_zigzag", "cp_usp")  # the styles whose zigzag ring `balance` places (cp/balance.py)
+
 
 @dataclass(frozen=True, kw_only=True)
 class Suite:
@@ -142,7 +144,7 @@ class Point:
             parts.append(f"b{self.batch_size}{self.batch_kind}")
         if self.documents != "none":
             parts.append("docs-" + self.documents.replace(":", "-"))
-        if self.balance != "documents" and self.cp_style in ("cp_ring_zigzag", "cp_usp"):
+        if self.balance != "documents" and self.cp_style in BALANCED_STYLES:
             parts.append(f"{self.balance}-balance")
         if self.keep_outputs:
             parts.append("keep-outputs")
@@ -283,7 +285,8 @@ def _point(suite: Suite, model: str, cp: int, attn: str, style: str, seq_len: in
         suite=suite.name, model=model, preset=suite.model, model_overrides=dict(suite.model_overrides),
         seq_len=seq_len, batch_size=suite.batch_size, cp_size=cp, fsdp_size=fsdp,
         batch_kind="packed" if packed and suite.batch_kind == "plain" else suite.batch_kind,
-        documents=documents.key(suite.documents), balance=suite.balance,
+        documents=documents.key(suite.documents),
+        balance=suite.balance if style in BALANCED_STYLES else "documents",
         document_lengths=documents.as_rows(suite.documents) if packed else (),
         dp_replicate_size=suite.dp_replicate_size, world_size=world, attn_implementation=attn, cp_style=style,
         dtype=suite.dtype, device=suite.device, warmup_steps=suite.warmup_steps,

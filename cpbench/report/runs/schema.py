@@ -22,7 +22,9 @@ import pyarrow as pa
 #    `attention_imbalance`, per-rank step times), the kernels the ring's tiles ran (`attention_kernels`), compiled
 #    steps (`compile`, `graph_breaks`, `recompiles`, `compile_s`, `projected_pricing`). Only columns were added: an
 #    older file is read with them null, or with DEFAULTS for the two that identify a point.
-SCHEMA_VERSION = 9
+# 10: the zigzag ring's placement (`balance`: documents or sequence), which identifies a point (an older file's rows
+#     ran the default, "documents").
+SCHEMA_VERSION = 10
 MEASUREMENTS = ("measured", "projected")
 
 STATUSES = ("ok", "oom", "error", "timeout", "skipped")
@@ -66,6 +68,9 @@ COLUMNS: dict[str, tuple[pa.DataType, str]] = {
     "tiled_mlp": (pa.string(), "each decoder layer's MLP over tiles of the sequence: off | auto | the tile count"),
     "documents": (pa.string(), "the packed documents of each row: none (batch_kind says plain, packed or padded as "
                   "before), a shipped mix's name, or lengths:<hash> for lengths given (spec_json holds them)"),
+    "balance": (pa.string(), "the zigzag ring's placement (cp_ring_zigzag, cp_usp): documents (each rank the same "
+                "attention work of the batch's documents) or sequence (the plain zigzag); documents for every other "
+                "style"),
     "compile": (pa.string(), "torch.compile of each decoder layer: off, or the mode (default, max-autotune, ...)"),
     "cp_ulysses_degree": (pa.int32(), "cp_usp's Ulysses degree (ranks per Ulysses group; the ring spans cp_size / "
                           "degree groups); 1 for every other style"),
@@ -202,11 +207,11 @@ _V9 = ("documents", "compile", "step_time_per_rank_s", "slowest_rank", "attentio
        "attention_imbalance", "attention_kernels", "graph_breaks", "recompiles", "compile_s", "projected_pricing")
 ADDED_IN = {8: [name for name in COLUMNS if (name == "gpu_profile" or name.startswith("projected_"))
                 and name not in _V9],
-            9: list(_V9)}
+            9: list(_V9), 10: ["balance"]}
 # version -> the columns added after it (a file of that version is read with them null, or with DEFAULTS)
-ADDED_SINCE = {v: [name for later, names in ADDED_IN.items() if later > v for name in names] for v in (7, 8)}
+ADDED_SINCE = {v: [name for later, names in ADDED_IN.items() if later > v for name in names] for v in (7, 8, 9)}
 # What an older file's rows had, for the added columns that identify a point: it holds no documents, no compile.
-DEFAULTS = {"documents": "none", "compile": "off"}
+DEFAULTS = {"documents": "none", "compile": "off", "balance": "documents"}
 
 ARROW_SCHEMA = pa.schema(
     [pa.field(name, typ) for name, (typ, _) in COLUMNS.items()],
@@ -218,7 +223,7 @@ KEY_COLUMNS = (
     "model", "seq_len", "batch_size", "batch_kind", "cp_size", "fsdp_size", "dp_replicate_size",
     "attn_implementation", "cp_style", "dtype", "device", "keep_outputs", "loss_mode", "activation_checkpointing",
     "mixed_precision", "level", "implementation", "cp_ulysses_degree", "recompute_every_n_layers",
-    "offload_activations", "offload_params", "tiled_mlp", "documents", "compile",
+    "offload_activations", "offload_params", "tiled_mlp", "documents", "compile", "balance",
 )
 
 
