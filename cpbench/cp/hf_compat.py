@@ -19,9 +19,12 @@ Tested against transformers 5.23 (pinned in pyproject.toml). What cpbench relies
    a model tied before sharding then fails FSDP2's duplicate-parameter check, and one tied after (as
    `from_pretrained` does) gathers the same matrix twice per step. cpbench shards [norm, embedding, head] as
    one group around one shared parameter first and hands transformers the plan without them.
-4. `transformers.masking_utils.is_tracing` (only inside `known_values_are_not_tracing`, which projections use):
-   transformers treats every fake tensor as tracing and then builds a dense mask where real values would let
-   it skip one; a fake tensor that carries its real values (a constant) is not tracing.
+4. `transformers.masking_utils.is_tracing` and `packed_sequence_compatibility_function` (only inside
+   `known_values_are_not_tracing`, which projections use): transformers treats every fake tensor as tracing and then
+   builds a dense mask where real values would let it skip one; a fake tensor that carries its real values (a
+   constant) is not tracing. A packed row's mask indexes the positions by the query and key indices: on known
+   positions torch would compute the S x S mask for real (and then drop its values, too large to keep), so the mask
+   function reads the positions without their values.
 5. Decoder layers are called as `layer(hidden_states, attention_mask=..., position_ids=...,
    position_embeddings=(cos, sin), **kwargs)` and pass `**kwargs` on to the attention interface; the split
    hook uses those names and passes the `SequenceLayout` along as `cp_layout`.
@@ -261,11 +264,40 @@ def known_values_are_not_tracing():
             return original(None)  # still tracing under torch.compile or jit
         return original(tensor)
 
+    compatible = masking_utils.packed_sequence_compatibility_function
+
+    def packed_compatible(mask_function, position_ids, packed_sequence_mask):
+        inner = compatible(mask_function, position_ids, packed_sequence_mask)
+
+        def mask(*indices):
+            with _values_hidden(position_ids, packed_sequence_mask):
+                return inner(*indices)
+
+        return mask
+
     masking_utils.is_tracing = is_tracing
+    masking_utils.packed_sequence_compatibility_function = packed_compatible
     try:
         yield
     finally:
         masking_utils.is_tracing = original
+        masking_utils.packed_sequence_compatibility_function = compatible
+
+
+@contextlib.contextmanager
+def _values_hidden(*tensors):
+    """While entered, fake tensors that carry their values carry none: what is computed from them stays fake (no real
+    compute), and nothing is allocated (a copy without values would add to a projection's tracked memory)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    hidden = [(t, t.constant) for t in tensors if isinstance(t, FakeTensor) and t.constant is not None]
+    for t, _ in hidden:
+        t.constant = None
+    try:
+        yield
+    finally:
+        for t, constant in hidden:
+            t.constant = constant
 
 
 _ORIGINAL = {}

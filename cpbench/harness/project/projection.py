@@ -31,8 +31,9 @@ from cpbench.harness.project.trace import StepTrace
 from cpbench.harness.suite.spec import Point
 
 # Fake tensors up to this many elements keep their values when computed from known values (torch's default: 1).
-# The batch's integer tensors and what is derived from them element-wise are O(batch x seq); S x S is never
-# derived from known values alone (every mask also reads a fresh arange, which carries no constant).
+# The batch's integer tensors and what is derived from them element-wise are O(batch x seq). torch computes an op on
+# known values for real before it looks at the result's size: the one S x S result built from them, a packed row's
+# mask (known positions indexed by the query and key indices), is built without them (hf_compat).
 KNOWN_VALUES_MAX_NUMEL = 1 << 26
 
 
