@@ -80,8 +80,8 @@ class Suite:
     # Points with documents are packed (batch_kind "padded": every other row ends in a pad segment).
     documents: str | list = "none"
     # The zigzag ring's placement (cp_ring_zigzag, cp_usp): "documents" (balanced by the batch's documents,
-    # cp/balance.py) or "sequence" (the plain zigzag: the balance off). Not part of a point's key: the same point
-    # either way, so a run of one compares with a baseline of the other.
+    # cp/balance.py) or "sequence" (the plain zigzag: the balance off). Part of a point's key (schema 10): the two
+    # run different layouts, so a point of one is never compared with a baseline of the other.
     balance: str = "documents"
     # torch.compile of each decoder layer (harness/measure/compiled.py): false / "off", true / "on" (torch's default
     # mode) or a mode ("max-autotune-no-cudagraphs", ...). The first step compiles; it is kept out of the timed ones.
