@@ -48,9 +48,11 @@ def main() -> None:
     if judged:
         errors = [e for e, _ in judged]
         short = [e for e, s in judged if s]
+        long = [e for e, s in judged if not s]
         lines.append(f"\nMean absolute error {100 * sum(errors) / len(errors):.1f} % over the {len(errors)} judged "
                      f"measurements (largest {100 * max(errors):.0f} %); {100 * sum(short) / len(short):.1f} % over the "
-                     f"{len(short)} of them at <= 64k tokens per GPU.")
+                     f"{len(short)} of them at <= 64k tokens per GPU, {100 * sum(long) / len(long):.1f} % over the "
+                     f"{len(long)} above.")
     (HERE / "table.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
