@@ -93,7 +93,11 @@ def wrap_forward(model, state: ForwardState, group, *, causal_lm: bool):
     """`forward` of a CP model: full sequences in, this rank's slice (and the whole-sequence loss) out. With
     `group` None (a model without CP, for `use_loss`) the layout is the whole sequence and nothing is reduced."""
     forward = model.forward
-    signature = inspect.signature(forward)
+    # Which named parameter each positional argument binds to, worked out once: `inspect.Signature.bind` at call time
+    # breaks a whole-model torch.compile's graph (dynamo guards on the signature's mapping proxy).
+    parameters = inspect.signature(forward).parameters.values()
+    named = [p.name for p in parameters if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    positional = [p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     if group is not None:  # gather_sequence needs the forward's layout, which follows the batch's documents
         model.cp_layout = state.last_layout
 
@@ -107,7 +111,8 @@ def wrap_forward(model, state: ForwardState, group, *, causal_lm: bool):
         kwargs.update(use_cache=False, return_dict=True)
         tokens = input_ids if input_ids is not None else kwargs.get("inputs_embeds")
         seq_len = tokens.shape[1]
-        given = signature.bind_partial(input_ids, *args, **kwargs).arguments  # the mask may come positionally
+        # the model's named arguments as given (the mask may come positionally)
+        given = {**dict(zip(positional, (input_ids, *args))), **{k: v for k, v in kwargs.items() if k in named}}
         # position_ids may reach the model through its **kwargs (a multimodal wrapper passes them on to its language
         # model); documents only where the model's own mask keeps them apart (hf_compat.masks_isolate_documents)
         positions = given.get("position_ids", kwargs.get("position_ids")) if state.documents else None

@@ -5,6 +5,11 @@ keeps the unsharded eager run's parity (tolerances: tests/dist/models.py).
 cp_ulysses traces whole (functional all-to-alls); the ring styles run their attention as one custom op
 (cpbench/cp/ring/compiled.py) in an otherwise whole graph. Compile is slow on this machine's two cores: the default suite
 runs cp_ulysses on plain rows of a one-layer model only; the packed rows and the ring styles are `heavy`.
+
+A whole-model compile (`model.compile()`) keeps parity and compiles nothing again, and breaks its graph only outside
+the decoder layers: at FSDP2's own hooks, which torch keeps out of dynamo on purpose (`_dynamo_disable`,
+torch/distributed/fsdp/_fully_shard/_fsdp_common.py: "skipping FSDP hooks"), and, for a ring style on packed rows,
+where the model-level forward reads the batch's documents to the host to place its layout (once a step, by design).
 """
 
 from __future__ import annotations
@@ -15,11 +20,16 @@ from tests.dist.compile_workers import compiled_worker
 from tests.dist.models import GRAD_RTOL, LOGITS_ATOL, LOSS_RTOL, save_tiny
 
 
-def _check(result: dict) -> None:
+FSDP_HOOK = "qualname: disable"  # dynamo's reason for a call into a function marked skipped: FSDP2's hooks
+READS_THE_BATCH = ("Data dependent operator", "Dynamic shape operator")  # the layout placed by the batch's documents
+
+
+def _check(result: dict, allowed: tuple[str, ...] = ()) -> None:
     assert abs(result["loss"] - result["ref_loss"]) <= LOSS_RTOL * abs(result["ref_loss"]), result
     assert result["logits_err"] <= LOGITS_ATOL, result
     assert result["grad_err"] <= GRAD_RTOL, result
-    assert result["graph_breaks"] == 0, result["reasons"]
+    unexpected = {k: n for k, n in result["reasons"].items() if not any(a in k for a in allowed)}
+    assert not unexpected, unexpected
     assert result["recompiles"] == 0, result
 
 
@@ -27,6 +37,23 @@ def test_ulysses_compiles_whole(spawn, tmp_path):
     path = save_tiny("qwen3", tmp_path, num_hidden_layers=1)  # one layer: half the compile time
     for rank_result in spawn(compiled_worker, 2, path, "cp_ulysses", ["plain"], timeout=600):
         _check(rank_result["plain"])
+
+
+def test_a_whole_model_compile_breaks_only_at_fsdps_hooks(spawn, tmp_path):
+    path = save_tiny("qwen3", tmp_path, num_hidden_layers=1)
+    for rank_result in spawn(compiled_worker, 2, path, "cp_ulysses", ["plain", "packed"], whole=True, timeout=600):
+        for kind in ("plain", "packed"):
+            _check(rank_result[kind], allowed=(FSDP_HOOK,))
+            assert rank_result[kind]["graph_breaks"] <= 5, rank_result[kind]  # FSDP2's pre/post hooks, root and layer
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("style", ["cp_ring_zigzag", "cp_usp"])
+def test_a_whole_model_compile_of_a_ring_style(spawn, tmp_path, style):
+    path = save_tiny("qwen3", tmp_path, num_hidden_layers=1)
+    for rank_result in spawn(compiled_worker, 2, path, style, ["plain", "packed"], whole=True, timeout=900):
+        _check(rank_result["plain"], allowed=(FSDP_HOOK,))
+        _check(rank_result["packed"], allowed=(FSDP_HOOK, *READS_THE_BATCH))
 
 
 @pytest.mark.heavy
