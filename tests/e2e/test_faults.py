@@ -67,6 +67,12 @@ timeout_s = 120
 """
 
 
+# Two points in two launches (one rank, then two): the second starts a fresh launch, seconds of process start-up in
+# which a signal sent once the first row is written is sure to land. Two points of one launch would race it: the
+# second of CHEAP's points can finish in the poll's 0.2 s.
+TWO_LAUNCHES = CHEAP.replace("seq_lens = [32, 64]", "seq_lens = [32]").replace("cp_sizes = [1]", "cp_sizes = [1, 2]")
+
+
 def _suite(tmp: Path, text: str, name: str = "suite.toml") -> Path:
     path = tmp / name
     path.write_text(text)
@@ -135,7 +141,7 @@ def _first_row(out: Path, proc: subprocess.Popen, name: str = "cheap") -> Path:
 @pytest.mark.parametrize("how", [signal.SIGKILL, pytest.param(signal.SIGINT, marks=pytest.mark.heavy)])
 def test_a_killed_sweep_leaves_no_rank_running_and_resumes_without_losing_or_repeating_points(tmp_path, how):
     """kill -9 gives the sweep no chance to clean up: its launch dies with it (guard.py); Ctrl-C unwinds."""
-    suite = _suite(tmp_path, CHEAP)
+    suite = _suite(tmp_path, TWO_LAUNCHES)
     proc = _start(suite, tmp_path)
     run_dir = _first_row(tmp_path, proc)
     proc.send_signal(how)
