@@ -73,3 +73,24 @@ def test_the_placed_ring_prices_every_rank_the_same_attention(priced):
     assert work["attention_imbalance"] <= 1.05
     assert max(flops) / (sum(flops) / len(flops)) <= 1.05, flops
     assert max(flops) < max(priced["sequence"][0])
+
+
+def test_a_tiles_packed_indices_are_built_once_a_step_whatever_the_layers(monkeypatch):
+    """The varlen tiles' (row, position) indices come from the batch's documents, the same for every layer: they are
+    built once a forward (segments._packed) and reused by each layer, the recompute and the backward."""
+    from cpbench.cp.ring import segments
+
+    built, real = [], segments._Packed.__init__
+
+    def counted(self, *args, **kwargs):
+        built.append(1)
+        real(self, *args, **kwargs)
+
+    monkeypatch.setattr(segments._Packed, "__init__", counted)
+    counts = {}
+    for layers in (1, 3):
+        built.clear()
+        text = SUITE.format(balance="documents") + f"model_overrides = {{num_hidden_layers = {layers}}}\n"
+        project_rank(load_suite("t.toml", text=text).points()[0], 1, load("h100-sxm"), gpus_per_node=8)
+        counts[layers] = len(built)
+    assert counts[1] > 0 and counts[3] == counts[1], counts

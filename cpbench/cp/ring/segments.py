@@ -23,7 +23,8 @@ each supply a `VarlenOps` pair; packing, cu_seqlens and scattering back are here
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -40,6 +41,9 @@ class Segments:
     runs: tuple[Run, ...]
     rows: int  # batch rows the runs name (1: the same runs for every row of the batch)
     window: tuple[int, int] = (-1, -1)  # flash's (left, right); -1 is unbounded
+    # the forward's batch facts the runs come from: a tile's packed indices are kept with them (`_packed`), built once
+    # a step and reused by every layer, the recompute and the backward
+    source: BatchMask | None = field(default=None, compare=False, repr=False)
 
 
 def segments_of(batch: BatchMask, seq_len: int, causal: bool, window: int | None, q0: int, k0: int,
@@ -96,7 +100,7 @@ def segments_of_runs(batch: BatchMask, seq_len: int, causal: bool, window: int |
     flash_window = _window(spans, window, causal, diagonal)
     if flash_window is None:
         return None
-    return Segments(causal and diagonal, tuple(runs), rows, flash_window)
+    return Segments(causal and diagonal, tuple(runs), rows, flash_window, source=batch)
 
 
 class _Slot:
@@ -179,7 +183,9 @@ class VarlenOps:
 
 class _Packed:
     """A tile's tokens as (batch row, position) index pairs, segment after segment, and their cu_seqlens. Gathers
-    and scatters index the [B, H, n, D] tiles directly: one copy of the tokens, none of the whole tile."""
+    and scatters index the [B, H, n, D] tiles directly: one copy of the tokens, none of the whole tile. Built on the
+    host and copied to the device in two copies, whatever the number of documents (an op per document was most of a
+    packed layer's host time, and of a projection's)."""
 
     def __init__(self, seg: Segments, batch: int, n: int, device):
         if seg.rows == 1:  # the same runs for every row of the batch
@@ -188,10 +194,13 @@ class _Packed:
             runs = list(seg.runs)
         q_lens = [qe - qs for _, qs, qe, _, _ in runs]
         k_lens = [ke - ks for _, _, _, ks, ke in runs]
-        self.q = _pairs([(b, qs, qe) for b, qs, qe, _, _ in runs], device)
-        self.k = _pairs([(b, ks, ke) for b, _, _, ks, ke in runs], device)
-        self.cu_q = torch.tensor(_cumsum(q_lens), dtype=torch.int32, device=device)
-        self.cu_k = torch.tensor(_cumsum(k_lens), dtype=torch.int32, device=device)
+        q_rows, q_pos = _pairs([(b, qs, qe) for b, qs, qe, _, _ in runs])
+        k_rows, k_pos = _pairs([(b, ks, ke) for b, _, _, ks, ke in runs])
+        pairs = torch.tensor(q_rows + q_pos + k_rows + k_pos, dtype=torch.long, device=device)
+        self.q = (pairs[: len(q_rows)], pairs[len(q_rows) : 2 * len(q_rows)])
+        self.k = (pairs[2 * len(q_rows) : 2 * len(q_rows) + len(k_rows)], pairs[2 * len(q_rows) + len(k_rows) :])
+        cu = torch.tensor(_cumsum(q_lens) + _cumsum(k_lens), dtype=torch.int32, device=device)
+        self.cu_q, self.cu_k = cu[: len(runs) + 1], cu[len(runs) + 1 :]
         self.max_q, self.max_k = max(q_lens), max(k_lens)
 
     @staticmethod
@@ -204,10 +213,28 @@ class _Packed:
         return F.pad(x, (0, -d % 8)) if d % 8 else x
 
 
-def _pairs(spans: list[tuple[int, int, int]], device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(batch rows, positions) of the tokens of [(row, start, end), ...], in that order."""
-    positions = torch.cat([torch.arange(a, e, device=device) for _, a, e in spans])
-    rows = torch.cat([torch.full((e - a,), r, device=device) for r, a, e in spans])
+_PACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # a forward's BatchMask -> its tiles' _Packed
+
+
+def _packed(seg: Segments, batch: int, n: int, device) -> _Packed:
+    """The tile's `_Packed`, built once for the forward whose batch facts `seg` comes from (every layer with the same
+    segments, the recompute and the backward reuse it; it goes with those facts)."""
+    if seg.source is None:
+        return _Packed(seg, batch, n, device)
+    kept = _PACKED.setdefault(seg.source, {})
+    key = (seg, batch, n, str(device))
+    if key not in kept:
+        kept[key] = _Packed(seg, batch, n, device)
+    return kept[key]
+
+
+def _pairs(spans: list[tuple[int, int, int]]) -> tuple[list[int], list[int]]:
+    """(batch rows, positions) of the tokens of [(row, start, end), ...], in that order, on the host."""
+    rows: list[int] = []
+    positions: list[int] = []
+    for r, a, e in spans:
+        rows += [r] * (e - a)
+        positions += range(a, e)
     return rows, positions
 
 
@@ -221,7 +248,7 @@ def _cumsum(lengths: list[int]) -> list[int]:
 def varlen_forward(ops: VarlenOps, q, k, v, seg: Segments, scale: float, acc: torch.dtype):
     b, h, n, _ = q.shape
     d_v = v.shape[-1]
-    p = _Packed(seg, b, n, q.device)
+    p = _packed(seg, b, n, q.device)
     q_, k_, v_ = p.take(q, p.q, q.dtype), p.take(k, p.k, q.dtype), p.take(v, p.k, q.dtype)
     out, lse = ops.forward(q_, k_, v_, p.cu_q, p.cu_k, p.max_q, p.max_k, seg.causal, *seg.window, float(scale))
     out_full = torch.zeros(b, h, n, d_v, dtype=acc, device=q.device)  # rows outside every segment: 0, LSE -inf
@@ -235,7 +262,7 @@ def varlen_backward(ops: VarlenOps, dout, q, k, v, out, lse, seg: Segments, scal
     """Adds the tile's gradients into the accumulators dq [B, H, n, D], dk/dv [B, Hkv, n, D] (every token of a tile
     is in one segment at most, so the indexed adds never meet)."""
     d, d_v = q.shape[-1], v.shape[-1]
-    p = _Packed(seg, q.shape[0], q.shape[2], q.device)
+    p = _packed(seg, q.shape[0], q.shape[2], q.device)
     q_, o_, do_ = (p.take(x, p.q, q.dtype) for x in (q, out, dout))
     k_, v_ = p.take(k, p.k, q.dtype), p.take(v, p.k, q.dtype)
     lse_ = lse[p.q[0], :, p.q[1]].t().float().contiguous()  # [H, T], as flash's backward wants it
