@@ -15,15 +15,13 @@ from cpbench.cp.ulysses import check_ulysses, ulysses_attention
 from cpbench.cp.usp import check_usp, usp_attention
 
 register_attention_style("cp_ulysses", ulysses_attention, check=check_ulysses, replace=True, traces=True)
-register_attention_style(
-    "cp_ring", ring_attention, layout="contiguous", implementations=RING_IMPLEMENTATIONS, replace=True
-)
-register_attention_style(
-    "cp_ring_zigzag", ring_attention, layout="zigzag", implementations=RING_IMPLEMENTATIONS, replace=True
-)
-register_attention_style(
-    "cp_usp", usp_attention, layout="zigzag", implementations=RING_IMPLEMENTATIONS, check=check_usp, replace=True
-)
+# The ring styles build every tile's mask from the batch's inputs (cp/batch_mask.py), never from the model's S x S one
+register_attention_style("cp_ring", ring_attention, layout="contiguous", implementations=RING_IMPLEMENTATIONS,
+                         replace=True, model_mask=False)
+register_attention_style("cp_ring_zigzag", ring_attention, layout="zigzag", implementations=RING_IMPLEMENTATIONS,
+                         replace=True, model_mask=False)
+register_attention_style("cp_usp", usp_attention, layout="zigzag", implementations=RING_IMPLEMENTATIONS,
+                         check=check_usp, replace=True, model_mask=False)
 hf_compat.install(apply)
 
 __all__ = [

@@ -113,11 +113,13 @@ def apply_context_parallel(
     for name in plan.split_modules:
         hook = make_split_hook(name == plan.first_split, state, rotary_cuts, local_embedding)
         model.get_submodule(name).register_forward_pre_hook(hook, with_kwargs=True)
-    for name, style_name in plan.attention_modules.items():
-        style = attention_style(style_name)
+    styles = {name: attention_style(style_name) for name, style_name in plan.attention_modules.items()}
+    for name, style in styles.items():
         groups = mesh.usp_groups if style.fn is usp_attention else group
         hf_compat.bind_attention(model.get_submodule(name),
                                  AttentionBinding(style, groups, _kernel_target(config), state))
+    if styles and not any(style.model_mask for style in styles.values()):
+        hf_compat.builds_no_mask(model.get_submodule(stack))  # no layer would read it: S x S bytes at long lengths
     model.cp_attention_calls = AttentionCalls(model, plan.split_modules, plan.attention_modules, type(model).__name__)
     model.cp_plan = model_cp_plan(model, config)
     model.cp_resolved_plan = plan

@@ -38,6 +38,11 @@ Tested against transformers 5.23 (pinned in pyproject.toml). What cpbench relies
 8. Whether a base model builds its mask with `position_ids` (`masks_isolate_documents`, read from its forward's source):
    transformers' mask functions isolate packed documents (position_ids restarting) only when given them, and a few
    families (afmoe) leave them out, so their unsharded model attends across documents; CP must do the same.
+9. `masking_utils._preprocess_mask_arguments` returns no mask for a config whose `_attn_implementation` has no mask
+   function in `ALL_MASK_ATTENTION_FUNCTIONS` (a 4-D mask given by the caller still passes through unchanged):
+   `builds_no_mask` gives the module that builds a model's mask a config view under `CP_ATTENTION_KEY`, which has none,
+   when every CP layer's style works its masks out of the batch's inputs (the ring styles). A packed row's S x S mask
+   is 16 GiB at 131k tokens, and no layer would read it.
 """
 
 from __future__ import annotations
@@ -123,6 +128,16 @@ def masks_isolate_documents(base_model_class: type) -> bool:
                                                         for k in node.value.keys):
                 return True
     return False
+
+
+def builds_no_mask(module: torch.nn.Module) -> None:
+    """`module` (the one whose forward builds the decoder layers' mask) builds none (point 9 above)."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    if CP_ATTENTION_KEY in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
+        raise RuntimeError(f"{CP_ATTENTION_KEY!r} has a mask function in transformers: cannot skip the model's mask")
+    if not isinstance(module.config, AttentionConfigView):
+        module.config = AttentionConfigView(module.config, CP_ATTENTION_KEY)
 
 
 def model_config(module: torch.nn.Module):

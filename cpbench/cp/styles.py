@@ -43,6 +43,9 @@ class AttentionStyle:
     # dynamo traces `fn` whole (functional collectives, no host reads); otherwise a compiled layer runs it as one
     # custom op (cp/ring/compiled.py)
     traces: bool = False
+    # `fn` reads the mask the model builds; False: it works every mask out of the batch's own inputs
+    # (cp/batch_mask.py) and ignores the model's, so a model whose every CP layer is such a style builds none
+    model_mask: bool = True
 
     def __post_init__(self):
         if self.layout not in LAYOUT_KINDS:
@@ -94,8 +97,11 @@ def register_attention_style(
     check: Callable[[object, object], None] | None = None,
     replace: bool = False,
     traces: bool = False,
+    model_mask: bool = True,
 ) -> AttentionStyle:
     """Registers a custom attention style that a `cp_plan` can name. `check(attention_module, distributed_config)`
     raises a ValueError when the style cannot serve the module under that config. `traces`: torch.compile can trace
-    `fn` whole; otherwise a compiled layer runs it as one opaque custom op (cp/ring/compiled.py)."""
-    return STYLES.register(AttentionStyle(name, fn, layout, implementations, check, traces), replace=replace)
+    `fn` whole; otherwise a compiled layer runs it as one opaque custom op (cp/ring/compiled.py). `model_mask`: `fn`
+    reads the `attention_mask` the model builds (False: it ignores it, and the model need not build one)."""
+    return STYLES.register(AttentionStyle(name, fn, layout, implementations, check, traces, model_mask),
+                           replace=replace)

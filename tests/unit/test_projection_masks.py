@@ -74,3 +74,34 @@ def test_one_document_per_row_still_skips_the_mask():
                                                 attention_mask=None, past_key_values=None,
                                                 position_ids=_known_positions(mode, plain))
     assert mask is None
+
+
+POINT = """
+name = "t"
+model = "tiny-qwen3"
+seq_lens = [256]
+cp_sizes = [2]
+world_size = 2
+attn_implementations = ["sdpa"]
+cp_styles = ["{style}"]
+documents = [[150, 70, 36]]
+"""
+
+
+@pytest.mark.parametrize("style, builds", [("cp_ring_zigzag", False), ("cp_ring", False), ("cp_usp", False),
+                                           ("cp_ulysses", True)])
+def test_a_model_whose_every_cp_layer_is_a_ring_builds_no_mask(monkeypatch, style, builds):
+    """The ring styles work every tile's mask out of the batch's inputs (cp/batch_mask.py): the model's own S x S mask
+    of a packed row (16 GiB at 131k tokens) would be built for nothing (hf_compat.builds_no_mask). Ulysses runs the
+    model's attention on the whole sequence and needs it."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    from cpbench.harness.project.projection import project_rank
+    from cpbench.harness.suite.spec import load_suite
+
+    calls, sdpa_mask = [], ALL_MASK_ATTENTION_FUNCTIONS["sdpa"]
+    monkeypatch.setitem(ALL_MASK_ATTENTION_FUNCTIONS._global_mapping, "sdpa",
+                        lambda *a, **k: calls.append(1) or sdpa_mask(*a, **k))
+    point = load_suite("t.toml", text=POINT.format(style=style)).points()[0]
+    assert project_rank(point, 0)["status"] == "ok"
+    assert bool(calls) == builds, (style, len(calls))
