@@ -118,8 +118,11 @@ def apply_context_parallel(
         groups = mesh.usp_groups if style.fn is usp_attention else group
         hf_compat.bind_attention(model.get_submodule(name),
                                  AttentionBinding(style, groups, _kernel_target(config), state))
-    if styles and not any(style.model_mask for style in styles.values()):
-        hf_compat.builds_no_mask(model.get_submodule(stack))  # no layer would read it: S x S bytes at long lengths
+    # No layer would read the model's mask (S x S bytes at long lengths). A family with a sliding window keeps it: some
+    # (phimoe) window their mask without telling their attention, and the ring then reads the window from the mask.
+    if styles and not any(style.model_mask for style in styles.values()) and \
+            not getattr(model.config, "sliding_window", None):
+        hf_compat.builds_no_mask(model.get_submodule(stack))
     model.cp_attention_calls = AttentionCalls(model, plan.split_modules, plan.attention_modules, type(model).__name__)
     model.cp_plan = model_cp_plan(model, config)
     model.cp_resolved_plan = plan

@@ -41,8 +41,9 @@ Tested against transformers 5.23 (pinned in pyproject.toml). What cpbench relies
 9. `masking_utils._preprocess_mask_arguments` returns no mask for a config whose `_attn_implementation` has no mask
    function in `ALL_MASK_ATTENTION_FUNCTIONS` (a 4-D mask given by the caller still passes through unchanged):
    `builds_no_mask` gives the module that builds a model's mask a config view under `CP_ATTENTION_KEY`, which has none,
-   when every CP layer's style works its masks out of the batch's inputs (the ring styles). A packed row's S x S mask
-   is 16 GiB at 131k tokens, and no layer would read it.
+   when every CP layer's style works its masks out of the batch's inputs (the ring styles) and the model has no
+   sliding window (phimoe windows its mask without telling its attention: the ring reads that window from the mask).
+   A packed row's S x S mask is 16 GiB at 131k tokens, and no layer would read it.
 """
 
 from __future__ import annotations
