@@ -104,3 +104,32 @@ def test_a_host_scalar_read_in_the_optimizer_step_is_not_a_device_sync():
     syncs = [o for o in trace.ops if o.kind == "sync"]
     assert len(syncs) == 1 and syncs[0].phase == "step"
     assert any(o.phase == "optimizer" and o.tensors > 1 for o in trace.ops)  # foreach ops take lists
+
+
+def test_a_varlen_calls_known_offsets_are_read_without_an_op_per_document():
+    # In a projection the offsets are fake tensors carrying their values; a fake tensor's own tolist() dispatches an
+    # op per element (hundreds of documents, in every tile's call: a third of a packed projection's time).
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from cpbench.harness.project.projection import fake_tensors
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    lengths = [3, 1, 4, 1, 5, 9, 2, 6]
+    offsets = [0]
+    for n in lengths:
+        offsets.append(offsets[-1] + n)
+    with fake_tensors():
+        cu = torch.tensor(offsets + offsets, dtype=torch.int32)  # as segments._Packed builds them: one tensor, sliced
+        cu_q, cu_k = cu[: len(offsets)], cu[len(offsets):]
+        t = torch.empty(offsets[-1], 2, 8)  # [tokens, heads, dim]
+        args = (t, t, t, cu_q, cu_k, 9, 9, 0.0, 1.0, True)  # flash-attn's varlen forward: causal is argument 9
+        with Count():
+            flops, _ = work.attention("flash_attn._flash_attn_varlen_forward", args)
+    assert flops == 4 * sum(n * (n + 1) // 2 for n in lengths) * 2 * 8  # each document causal on its own
+    assert Count.n == 0

@@ -18,6 +18,7 @@ import math
 from typing import NamedTuple
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 
 class Attention(NamedTuple):
@@ -144,11 +145,22 @@ def _lengths(spec: Attention, args, q, k) -> list[tuple[int, int]]:
     at = spec.offsets_at
     if at is not None and len(args) > at + 1 and args[at] is not None:
         try:  # the offsets are known values in a projection when they derive from the batch's positions
-            cq, ck = args[at].tolist(), args[at + 1].tolist()
+            cq, ck = _values(args[at]), _values(args[at + 1])
             return [(cq[i + 1] - cq[i], ck[i + 1] - ck[i]) for i in range(len(cq) - 1)]
         except Exception:  # noqa: BLE001 - unknown offsets: one sequence of all the tokens (an upper bound)
             pass
     return [(q.shape[0], k.shape[0])]
+
+
+def _values(t: torch.Tensor) -> list:
+    """A tensor's values as a list; a fake tensor's known values read from the real tensor it carries (a fake
+    tensor's own `tolist` dispatches an op per element: a packed tile's offsets, hundreds of documents, in every
+    attention call was a third of a packed projection's time)."""
+    constant = getattr(t, "constant", None)
+    if constant is None:
+        return t.tolist()
+    with _disable_current_modes():  # a real tensor: no mode of the projection's (fake tensors, trace) may see it
+        return constant.tolist()
 
 
 def gemm(name: str, args) -> tuple[float, tuple]:
