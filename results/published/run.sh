@@ -26,10 +26,17 @@ print(dataclasses.replace(load('h200'), name='h200-fa3', title='NVIDIA H200 SXM 
 H200_FA3=results/published/profiles/h200-fa3.toml
 
 # --- TRL (PR #6845 / #6846), FSDP2 + CP over every GPU (torch's ring, its tiles through SDPA: cuDNN on H100 with
-# torch 2.11), recompute with offload, chunked NLL. cpbench's Ulysses runs the same SDPA kernel on the whole sequence
-# (its communication is a few % of these steps); cpbench's zigzag ring beside it at Qwen3-8B 1M. The model and AdamW
-# in bf16 (no fp32 master weights): Qwen3-30B-A3B's measured 46.0 GB could not hold fp32 ones (61 GB of state alone).
-TRL="--recompute --offload-activations --loss chunked --gpu h100-sxm"  # bf16 parameters and AdamW state
+# torch 2.11), recompute with the checkpoints offloaded, chunked NLL. cpbench's Ulysses runs the same SDPA kernel on the
+# whole sequence (its communication is a few % of these steps); cpbench's zigzag ring beside it at Qwen3-8B 1M.
+# Precision: accelerate's FSDP2 with mixed_precision bf16 upcasts the bf16-loaded model to fp32 master weights
+# (huggingface/accelerate, src/accelerate/utils/fsdp_utils.py, fsdp2_prepare_model: "FSDP upcast of low precision
+# parameters to fp32") and computes in bf16: cpbench's --mixed-precision (which reduces gradients in fp32 where
+# accelerate reduces them in bf16: the reduce-scatter's buffers, not the state). The example's accelerate config
+# (examples/accelerate_configs/context_parallel_8gpu.yaml) offloads the checkpoints, not the parameters; the 30B-A3B and
+# 32B rows were not run with it as shipped: PR #6846's review says the 32B result needs the parameters offloaded and the
+# MLP tiled over the sequence (its author: "lever 5 in the guide", 16,384-token tiles: 8 tiles of 131,072), and fp32
+# state of 30.5B parameters on 8 GPUs (61 GB) cannot be the 30B-A3B's 46.0 GB: both with --offload-params.
+TRL="--recompute --offload-activations --loss chunked --gpu h100-sxm --mixed-precision"
 est trl-qwen3-8b-1m --model qwen3-8b --override max_position_embeddings=1048576 --seq 1048576 --cp 8 --world-size 8 \
   --styles cp_ulysses $TRL
 est trl-qwen3-8b-1m-ring --model qwen3-8b --override max_position_embeddings=1048576 --seq 1048576 --cp 8 \
@@ -37,9 +44,9 @@ est trl-qwen3-8b-1m-ring --model qwen3-8b --override max_position_embeddings=104
 est trl-qwen3-0.6b-1m --model qwen3-0.6b --override max_position_embeddings=1048576 --seq 1048576 --cp 8 \
   --world-size 8 --styles cp_ulysses $TRL
 est trl-qwen3-30b-a3b-1m --model qwen3-30b-a3b --override max_position_embeddings=1048576 --seq 1048576 --cp 8 \
-  --world-size 8 --styles cp_ulysses $TRL
+  --world-size 8 --styles cp_ulysses $TRL --offload-params
 est trl-qwen3-32b-1m --model $MODELS/qwen3-32b --override max_position_embeddings=1048576 --seq 1048576 --cp 8 \
-  --world-size 8 --styles cp_ulysses $TRL
+  --world-size 8 --styles cp_ulysses $TRL --offload-params --tiled-mlp 8
 est trl-qwen3-0.6b-4m --model qwen3-0.6b --override max_position_embeddings=4194304 --seq 4194304 --cp 8 \
   --world-size 8 --styles cp_ulysses $TRL
 est trl-qwen3-8b-2m --model qwen3-8b --override max_position_embeddings=2097152 --seq 2097152 --cp 16 \

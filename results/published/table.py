@@ -1,5 +1,7 @@
 """table.md: each published measurement beside cpbench's projection of the same configuration, and the error; the
-mean absolute error over the judged rows, all of them and the short regime (<= 64k tokens per GPU) apart."""
+mean absolute error over the judged rows, all of them and the short regime (<= 64k tokens per GPU) apart. Where a
+source publishes its peak memory per GPU too (`peak_gb`, in GB as published), a second table sets the projected peak
+beside it."""
 
 import tomllib
 from pathlib import Path
@@ -10,11 +12,15 @@ HERE = Path(__file__).parent
 SHORT = 65536  # tokens per GPU: the short regime
 
 
-def projected(name: str, unit: str):
+def _row(name: str):
     runs = list((HERE / "runs").glob(f"*/{name}/runs.parquet"))
-    if not runs:
+    return store.read_run(runs[0]).iloc[0] if runs else None
+
+
+def projected(name: str, unit: str):
+    row = _row(name)
+    if row is None:
         return None, "not projected"
-    row = store.read_run(runs[0]).iloc[0]
     if row["status"] not in ("ok", "oom") or row["projected_step_s"] != row["projected_step_s"]:
         return None, f"{row['status']}: {row['status_detail']}"
     value = row["projected_step_s"] if unit == "s" else row["projected_tokens_per_s"] / row["world_size"]
@@ -53,8 +59,29 @@ def main() -> None:
                      f"measurements (largest {100 * max(errors):.0f} %); {100 * sum(short) / len(short):.1f} % over the "
                      f"{len(short)} of them at <= 64k tokens per GPU, {100 * sum(long) / len(long):.1f} % over the "
                      f"{len(long)} above.")
+    lines += peaks(tomllib.loads((HERE / "measurements.toml").read_text()))
     (HERE / "table.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def peaks(measurements: dict) -> list[str]:
+    """The peak-memory table: the published peak (GB = 1e9 B, as the sources write it) beside the projected one."""
+    lines = ["\n| measurement | published peak | projected peak | error | judged |", "|---|---|---|---|---|"]
+    judged = []
+    for name, m in measurements.items():
+        if "peak_gb" not in m:
+            continue
+        row = _row(name)
+        value = row["peak_bytes"] / 1e9 if row is not None and row["peak_bytes"] == row["peak_bytes"] else None
+        error = value / m["peak_gb"] - 1 if value is not None else None
+        if error is not None and "peak_not_judged" not in m:
+            judged.append(abs(error))
+        lines.append(f"| {name} | {m['peak_gb']:.1f} GB | " + (f"{value:.1f} GB | {100 * error:+.0f} %" if value else "- | -")
+                     + f" | {'no: ' + m['peak_not_judged'] if 'peak_not_judged' in m else 'yes'} |")
+    if judged:
+        lines.append(f"\nPeak memory: mean absolute error {100 * sum(judged) / len(judged):.1f} % over the {len(judged)} "
+                     f"judged peaks (largest {100 * max(judged):.0f} %).")
+    return lines if len(lines) > 2 else []
 
 
 if __name__ == "__main__":
