@@ -38,7 +38,10 @@ def _laid_out(recv_cbhsd: torch.Tensor, layout: SequenceLayout) -> torch.Tensor:
     """[cp, B, h, S/cp, D] (rank r's tokens at r) -> [B, h, S, D] in global order: one copy."""
     cp, b, h, s, d = recv_cbhsd.shape
     if layout.kind == "contiguous":
-        out = recv_cbhsd.permute(1, 2, 0, 3, 4).reshape(b, h, cp * s, d)
+        # A cat, not permute + reshape: the same one copy, into a buffer of the output's own 4-D shape. Inductor's
+        # CPU flex template reads a query's size from its storage (CppFlexAttentionTemplate.choose_flex_template in
+        # torch/_inductor/codegen/cpp_flex_attention_template.py), and the reshape left a view of a 5-D buffer.
+        out = torch.cat(recv_cbhsd.unbind(0), dim=2)
     elif layout.placement is not None:  # a per-document placement (cp/balance.py): token by token, still one copy
         where = layout.inverse_rank_order(recv_cbhsd.device)[: layout.seq_len]  # global -> place among the ranks'
         return recv_cbhsd.permute(1, 2, 0, 3, 4)[:, :, where // s, where % s]

@@ -10,13 +10,16 @@ A whole-model compile (`model.compile()`) keeps parity and compiles nothing agai
 the decoder layers: at FSDP2's own hooks, which torch keeps out of dynamo on purpose (`_dynamo_disable`,
 torch/distributed/fsdp/_fully_shard/_fsdp_common.py: "skipping FSDP hooks"), and, for a ring style on packed rows,
 where the model-level forward reads the batch's documents to the host to place its layout (once a step, by design).
+
+flex_attention (served by cp_ulysses) is compiled forward only: torch 2.13 refuses flex's backward on CPU
+(`_validate_device`, torch/nn/attention/flex_attention.py), so its gradients under compile need a GPU.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from tests.dist.compile_workers import compiled_worker
+from tests.dist.compile_workers import compiled_worker, flex_compiled_worker
 from tests.dist.models import GRAD_RTOL, LOGITS_ATOL, LOSS_RTOL, save_tiny
 
 
@@ -71,3 +74,19 @@ def test_ring_styles_compile_whole_around_their_op(spawn, tmp_path, style):
     for rank_result in spawn(compiled_worker, 2, path, style, ["plain", "packed"], steps=3, timeout=900):
         _check(rank_result["plain"])
         _check(rank_result["packed"])
+
+
+@pytest.mark.heavy
+def test_ulysses_over_flex_compiles_whole_forward(spawn, tmp_path):
+    # Each layer compiled with inductor around flex_attention's HOP: no break, no recompile on the second forward,
+    # the unsharded eager model's loss and logits. Before cp/ulysses.py laid the received heads out with a cat, the
+    # query reached flex as a view of a 5-D buffer, which inductor's CPU flex template cannot read ("too many values
+    # to unpack", CppFlexAttentionTemplate.choose_flex_template reads the storage's size, not the view's).
+    path = save_tiny("qwen3", tmp_path, num_hidden_layers=1)
+    for rank_result in spawn(flex_compiled_worker, 2, path, ["plain", "packed"], timeout=600):
+        for kind in ("plain", "packed"):
+            result = rank_result[kind]
+            assert abs(result["loss"] - result["ref_loss"]) <= LOSS_RTOL * abs(result["ref_loss"]), result
+            assert result["logits_err"] <= LOGITS_ATOL, result
+            assert result["reasons"] == {} and result["recompiles"] == 0, result
+            assert result["compiled_frames"] > 0, result  # the layers really ran compiled
