@@ -1,6 +1,6 @@
 """Command line: `python -m cpbench <command>`. Thin: each area registers its subcommands and the function
-each one calls (`harness.commands`: sweep, run, estimate; `harness.project.commands`: plan, calibrate;
-`report.commands`: report, compare, gate)."""
+each one calls (`harness.commands`: sweep, run; `harness.estimate_cli`: estimate; `harness.project.commands`: plan,
+calibrate; `report.commands`: report, compare, gate)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import argparse
 import importlib
 import sys
 
-AREAS = ("cpbench.harness.commands", "cpbench.harness.project.commands", "cpbench.report.commands")
+AREAS = ("cpbench.harness.commands", "cpbench.harness.estimate_cli", "cpbench.harness.project.commands",
+         "cpbench.report.commands")
 
 
 def build_parser() -> argparse.ArgumentParser:

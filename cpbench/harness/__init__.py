@@ -9,5 +9,6 @@ Its rooms, one concept each (each sub-package's docstring says what it owns and 
 - project/  the driver of projected points: the same step on fake tensors and a fake process group (`estimate`,
             `--max-seq`), its time on a GPU profile, `calibrate` and `plan`;
 - peers/    other CP implementations side by side on one attention op.
-commands.py is the CLI's harness half: argument parsing that calls into run/ and project/.
+commands.py (sweep, run) and estimate_cli.py (estimate) are the CLI's harness half: argument parsing that calls into
+run/ and project/.
 """

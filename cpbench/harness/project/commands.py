@@ -70,7 +70,7 @@ def register(subparsers) -> None:
 def _overrides(items: list[str]) -> dict:
     import tomllib
 
-    from cpbench.harness.commands import _override
+    from cpbench.harness.estimate_cli import _override
 
     return tomllib.loads("\n".join(_override(o) for o in items)) if items else {}
 
