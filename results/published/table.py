@@ -76,11 +76,12 @@ def peaks(measurements: dict) -> list[str]:
         error = value / m["peak_gb"] - 1 if value is not None else None
         if error is not None and "peak_not_judged" not in m:
             judged.append(abs(error))
-        lines.append(f"| {name} | {m['peak_gb']:.1f} GB | " + (f"{value:.1f} GB | {100 * error:+.0f} %" if value else "- | -")
-                     + f" | {'no: ' + m['peak_not_judged'] if 'peak_not_judged' in m else 'yes'} |")
+        shown = f"{value:.1f} GB | {100 * error:+.0f} %" if value is not None else "- | -"
+        verdict = "no: " + m["peak_not_judged"] if "peak_not_judged" in m else "yes"
+        lines.append(f"| {name} | {m['peak_gb']:.1f} GB | {shown} | {verdict} |")
     if judged:
-        lines.append(f"\nPeak memory: mean absolute error {100 * sum(judged) / len(judged):.1f} % over the {len(judged)} "
-                     f"judged peaks (largest {100 * max(judged):.0f} %).")
+        lines.append(f"\nPeak memory: mean absolute error {100 * sum(judged) / len(judged):.1f} % over the "
+                     f"{len(judged)} judged peaks (largest {100 * max(judged):.0f} %).")
     return lines if len(lines) > 2 else []
 
 

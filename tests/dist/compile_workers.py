@@ -40,18 +40,18 @@ def compiled_worker(path: str, style: str, kinds: list[str], steps: int = 2, who
 
 def flex_compiled_worker(path: str, kinds: list[str]) -> dict:
     """cp=2, the default plan (cp_ulysses) over attn_implementation="flex_attention", each decoder layer compiled
-    with inductor, forward only (torch has no CPU backward for flex): per batch kind, the loss and this rank's logits
-    against the unsharded model of the same weights run eagerly, and dynamo's counters over two forwards."""
+    with inductor, forward only (torch has no CPU backward for flex): per batch kind, test_flex_forward's comparison
+    with the unsharded model of the same weights run eagerly, and dynamo's counters over two forwards."""
     import torch._dynamo
-    import torch.distributed as dist
     from torch._dynamo.utils import counters
     from transformers import AutoModelForCausalLM
 
     import cpbench
+    from tests.dist.test_flex_forward import ATTN, compare
 
     torch._dynamo.reset()
     counters.clear()
-    load = dict(attn_implementation="flex_attention", dtype=torch.float32)
+    load = dict(attn_implementation=ATTN, dtype=torch.float32)
     ref_model = AutoModelForCausalLM.from_pretrained(path, **load).eval()
     model = AutoModelForCausalLM.from_pretrained(
         path, **load, distributed_config=cpbench.DistributedConfig(cp_size=2)).eval()
@@ -61,17 +61,11 @@ def flex_compiled_worker(path: str, kinds: list[str]) -> dict:
     for kind in kinds:
         batch = make_batch(kind)
         before = dict(counters["graph_break"])
+        result = compare(model, ref_model, batch, [], "default")
+        graphs = counters["stats"]["unique_graphs"]
         with torch.no_grad():
-            with torch.compiler.set_stance("force_eager"):
-                ref = ref_model(**batch, use_cache=False)
-            out = model(**batch)
-            graphs = counters["stats"]["unique_graphs"]
             model(**batch)
-        layout = cpbench.SequenceLayout(batch["input_ids"].shape[1], 2, dist.get_rank(model.cp_group))
-        ref_logits = layout.cut(ref.logits, dim=1)[:, : layout.valid_len]
         breaks = {k: v - before.get(k, 0) for k, v in counters["graph_break"].items() if v > before.get(k, 0)}
-        results[kind] = dict(loss=out.loss.item(), ref_loss=ref.loss.item(),
-                             logits_err=(out.logits - ref_logits).abs().max().item(),
-                             reasons=breaks, recompiles=counters["stats"]["unique_graphs"] - graphs,
-                             compiled_frames=counters["frames"]["ok"])
+        result.update(reasons=breaks, recompiles=counters["stats"]["unique_graphs"] - graphs)
+        results[kind] = result
     return results
