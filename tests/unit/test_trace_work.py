@@ -90,6 +90,20 @@ def test_an_op_moves_what_it_reads_and_writes_each_tensor_once():
     assert _bytes_of(lambda: rows + row.expand(64, 1000)) == 64 * 4000 * 2 + 4000
 
 
+def test_what_an_op_writes_in_place_is_written_even_when_it_returns_nothing():
+    # In-place foreach ops (AdamW's whole step) and `out=` lists return nothing: their schema says what they write.
+    a, b = torch.ones(1000), torch.ones(1000)  # 4000 bytes each
+    assert _bytes_of(lambda: torch._foreach_mul_([a, b], 2.0)) == 16000  # reads and writes both
+    assert _bytes_of(lambda: torch._foreach_lerp_([a], [b], 0.1)) == 12000  # reads a and b, writes a
+    assert _bytes_of(lambda: torch._foreach_addcdiv_([a], [b], [b], 0.1)) == 12000  # b once
+    assert _bytes_of(lambda: torch._foreach_copy_([a], [b])) == 8000  # a is overwritten, not read
+    whole = torch.ones(2000)
+    assert _bytes_of(lambda: torch.split_with_sizes_copy(whole, [1000, 1000], out=[a, b])) == 16000
+    with StepTrace() as trace:
+        torch._foreach_add_([a], 1.0)
+    assert trace.ops[0].writes == trace.ops[0].reads  # what reads `a` next waits for this op
+
+
 def test_a_host_scalar_read_in_the_optimizer_step_is_not_a_device_sync():
     model = torch.nn.Linear(4, 4)
     optimizer = torch.optim.AdamW(model.parameters(), foreach=True)
@@ -133,3 +147,22 @@ def test_a_varlen_calls_known_offsets_are_read_without_an_op_per_document():
             flops, _ = work.attention("flash_attn._flash_attn_varlen_forward", args)
     assert flops == 4 * sum(n * (n + 1) // 2 for n in lengths) * 2 * 8  # each document causal on its own
     assert Count.n == 0
+
+
+def test_fsdp2_casts_each_shard_for_its_all_gather_on_the_copy_in_stream():
+    # FSDP2 casts the fp32 shards to bf16 (a _foreach_copy_) under its all-gather copy-in stream, so the next layer's
+    # all-gather is prepared while this one computes; priced on the compute stream, it waited for the whole layer.
+    from cpbench.harness.project.projection import project_rank
+    from cpbench.harness.suite.spec import load_suite
+
+    text = ('name = "t"\nmodel = "tiny-llama"\nseq_lens = [64]\ncp_sizes = [1]\nworld_size = 2\ndtype = "bfloat16"\n'
+            'device = "cuda"\nmixed_precision = true\nwarmup_steps = 1\nmeasured_steps = 1\n')
+    ops = project_rank(load_suite("t.toml", text=text).points()[0], 0, keep_trace=True)["trace"]
+    copy_ins = [i for i, o in enumerate(ops) if o.name == "fsdp.all_gather_copy_in"]
+    assert copy_ins
+    for i in copy_ins:  # the cast just before each copy-in, into the buffer the copy-in reads
+        cast = ops[i - 1]
+        assert cast.name == "aten._foreach_copy_" and cast.stream == "ag" and set(cast.writes) & set(ops[i].reads)
+    # nothing else leaves the compute stream: the copy-in's output buffer may reuse a freed tensor's storage
+    assert {o.name for o in ops if o.stream == "ag" and o.kind == "memory"} == {"aten._foreach_copy_",
+                                                                              "fsdp.all_gather_copy_in"}

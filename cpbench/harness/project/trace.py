@@ -9,7 +9,8 @@ Nothing here knows a GPU; timing.py prices the trace for one, and prices it agai
 Streams, as cpbench's code and the libraries under it schedule the work:
 - `compute`: every kernel of the model, the loss, the optimizer, and transformers' activation offload copies (its
   `save_on_cpu` copies on the current stream);
-- `ag`: FSDP2's all-gather copy-in and all-gather (its own streams, which wait only for the previous copy-out);
+- `ag`: FSDP2's all-gather copy-in (with the cast of the shards it copies in) and all-gather (its own streams,
+  which wait only for the previous copy-out);
 - `rs`: FSDP2's reduce-scatter input copy and reduce-scatter (after the gradients: they wait for compute), and the
   gradient copies to the host under parameter offload;
 - `nccl`: every other collective (ring send/receive, Ulysses all-to-all, all-reduce): torch's NCCL process group
@@ -100,6 +101,7 @@ class StepTrace(TorchDispatchMode):
         self.phase = "step"
         self.gpus_per_node = gpus_per_node
         self._stream_of: dict[int, str] = {}  # buffer key -> the stream that wrote it last
+        self._writer: dict[int, int] = {}  # buffer key -> the index in `ops` of the kernel that wrote it last
         self.ledger = ledger
         if ledger is not None:
             ledger.listeners.append(self._moved)
@@ -150,7 +152,7 @@ class StepTrace(TorchDispatchMode):
         else:
             stream = "host" if self._on_host() else "compute"
         reads = tuple({_key(t) for t in inputs})
-        written = outputs + _tensors((kwargs or {}).get("out"))  # an in-place op returns the tensor it wrote
+        written = outputs + _mutated(func, args, kwargs)
         writes = tuple({_key(t) for t in written})
         shape = ()
         if name == "fsdp.split_with_sizes_copy":
@@ -168,12 +170,30 @@ class StepTrace(TorchDispatchMode):
             kind = f"attention{family}_{spec.direction}"
         else:
             kind, flops = "memory", 0.0
-        moved = work.moved_bytes(name, args, kwargs, inputs, outputs)
+        moved = work.moved_bytes(name, args, kwargs, inputs, written)
+        if name == "fsdp.all_gather_copy_in":
+            self._onto_copy_in_stream(_tensors(args[0]))
         self.ops.append(Op(stream, kind, self.phase, float(flops), float(moved), reads, writes, name=name,
                            shape=shape + (work.tensor_bytes(outputs[0]),) if kind == "gemm" and outputs else shape,
                            tensors=len(inputs)))
         for key in writes:
             self._stream_of[key] = stream
+            self._writer[key] = len(self.ops) - 1
+
+    def _onto_copy_in_stream(self, inputs: list[torch.Tensor]) -> None:
+        """FSDP2 computes an all-gather's inputs (the cast of each shard to the parameters' dtype, a `_foreach_copy_`
+        into a fresh buffer) on its all-gather copy-in stream, as it runs the copy-in (_fsdp_collectives.py
+        foreach_all_gather: `_get_param_all_gather_inputs` under `all_gather_copy_in_stream`), so that a layer's
+        all-gather is prepared while the layer before it computes: the kernels of this step that wrote the copy-in's
+        inputs move onto that stream. Its inputs only, not the output buffer it is handed (a fresh allocation, whose
+        storage may be a freed one's); a shard that needs no cast was last written by the optimizer, not this step."""
+        for key in {_key(t) for t in inputs}:
+            at = self._writer.get(key)
+            op = self.ops[at] if at is not None else None
+            if op is not None and op.stream == "compute" and op.phase == "step" and op.kind == "memory":
+                self.ops[at] = op._replace(stream="ag")
+                for k in op.writes:
+                    self._stream_of[k] = "ag"
 
     def _on_host(self) -> bool:
         tracker = getattr(self.ledger, "tracker", None)
@@ -197,6 +217,18 @@ class StepTrace(TorchDispatchMode):
                            size, len(nodes) > 1))
         for t in written:
             self._stream_of[_key(t)] = stream
+
+
+def _mutated(func, args, kwargs) -> list[torch.Tensor]:
+    """The tensors an op writes in place, by its schema (`Tensor(a!)`): `self` of an in-place op, an `out=` tensor,
+    and the lists of an in-place foreach op, which returns nothing (AdamW's `_foreach_lerp_` writes its averages,
+    `_foreach_addcdiv_` the parameters; FSDP2's `split_with_sizes_copy` its `out=` list)."""
+    schema = getattr(func, "_schema", None)
+    mutated = []
+    for i, a in enumerate(schema.arguments if schema is not None else ()):
+        if a.alias_info is not None and a.alias_info.is_write:
+            mutated += _tensors(kwargs[a.name] if kwargs and a.name in kwargs else args[i] if i < len(args) else None)
+    return mutated
 
 
 def _arg(func, args, kwargs, name: str):

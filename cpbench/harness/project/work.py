@@ -78,7 +78,8 @@ def tensor_bytes(t: torch.Tensor) -> int:
 
 
 def moved_bytes(name: str, args, kwargs, inputs: list, outputs: list) -> int:
-    """Bytes read plus bytes written; each distinct tensor counts once per direction."""
+    """Bytes read plus bytes written; each distinct tensor counts once per direction. `outputs`: what the op writes,
+    its results and what it writes in place (trace._mutated: an in-place foreach op returns nothing)."""
     skip = {id(t) for t in _flat((kwargs or {}).get("out"))}
     if name in WRITE_ONLY and args:
         skip |= {id(t) for t in _flat(args[0])}
