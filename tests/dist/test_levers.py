@@ -4,7 +4,7 @@
 - selective recompute with activation offload (`model.activation_checkpointing_enable(every_n_layers=2,
   offload=True)`, transformers' own: torch's save_on_cpu around checkpoint);
 - parameter and optimizer offload (`DistributedConfig(fsdp_cpu_offload=True)`, FSDP2's CPUOffloadPolicy; on CPU it
-  pins nothing, see cpbench/cp/hf_compat.py), with an optimizer step;
+  pins nothing, see cpbench/cp/hf_compat/__init__.py), with an optimizer step;
 - all of them together with the chunked loss.
 
 Each alone and all together, with cp_ulysses, cp_ring and cp_ring_zigzag at cp 2 (a 4-layer tiny Qwen3, and all

@@ -11,7 +11,7 @@ reproduces exactly, and whatever does not match is returned as `unknown` (the st
 by name. The forms are read once per class; the values they name (`self.logit_scale`, `self.num_experts`) are read
 from the model at each forward.
 
-Touch points with transformers internals (beside hf_compat.py's): the source of a causal LM's `forward` and of its
+Touch points with transformers internals (beside hf_compat's): the source of a causal LM's `forward` and of its
 module's `load_balancing_loss_func`, and a base model's `_can_record_outputs` (its `OutputRecorder`s' fields).
 Tested against transformers 5.23: tests/unit/test_head_transforms.py classifies every causal-LM class it ships.
 """

@@ -1,6 +1,7 @@
-"""Every touch point between cpbench and transformers internals, in one place, but for two that read a family's own
-code: cp/loss/family.py (what a causal LM's forward does between its head and its loss, and its router aux loss) and
-cp/families/ (the audit of every family, and the check that a cut layer mixes tokens only in attention).
+"""Every touch point between cpbench and transformers internals, in one place (this package: here, masks.py for its
+mask code, views.py for the views both hand it), but for two that read a family's own code: cp/loss/family.py (what
+a causal LM's forward does between its head and its loss, and its router aux loss) and cp/families/ (the audit of
+every family, and the check that a cut layer mixes tokens only in attention).
 
 Tested against transformers 5.23 (pinned in pyproject.toml). What cpbench relies on:
 
@@ -19,43 +20,26 @@ Tested against transformers 5.23 (pinned in pyproject.toml). What cpbench relies
    a model tied before sharding then fails FSDP2's duplicate-parameter check, and one tied after (as
    `from_pretrained` does) gathers the same matrix twice per step. cpbench shards [norm, embedding, head] as
    one group around one shared parameter first and hands transformers the plan without them.
-4. `transformers.masking_utils.is_tracing` and `packed_sequence_compatibility_function` (only inside
-   `known_values_are_not_tracing`, which projections use): transformers treats every fake tensor as tracing and then
-   builds a dense mask where real values would let it skip one; a fake tensor that carries its real values (a
-   constant) is not tracing. A packed row's mask indexes the positions by the query and key indices: on known
-   positions torch would compute the S x S mask for real (and then drop its values, too large to keep), so the mask
-   function reads the positions without their values.
-5. Decoder layers are called as `layer(hidden_states, attention_mask=..., position_ids=...,
+4. Decoder layers are called as `layer(hidden_states, attention_mask=..., position_ids=...,
    position_embeddings=(cos, sin), **kwargs)` and pass `**kwargs` on to the attention interface; the split
    hook uses those names and passes the `SequenceLayout` along as `cp_layout`.
-6. `transformers.distributed.fsdp._get_fsdp_policy_kwargs`, which `apply_fsdp2` looks up as a module global:
+5. `transformers.distributed.fsdp._get_fsdp_policy_kwargs`, which `apply_fsdp2` looks up as a module global:
    `fsdp_cpu_offload` becomes FSDP2's `CPUOffloadPolicy()`, which pins host memory and so fails where no
    accelerator exists. `install` wraps it (`fsdp_policy_kwargs`): without an accelerator the policy pins nothing,
    so parameter offload runs (and moves nothing) on CPU.
-7. `transformers.modeling_utils.save_on_cpu`, which `activation_checkpointing_enable(offload=True)` calls as
+6. `transformers.modeling_utils.save_on_cpu`, which `activation_checkpointing_enable(offload=True)` calls as
    `save_on_cpu(pin_memory=True, ...)`: pinning fails where no accelerator exists. `install` wraps it the same way
    (`save_on_cpu_where_pinnable`), so activation offload runs on CPU too (where it copies to host what already is).
-8. Whether a base model builds its mask with `position_ids` (`masks_isolate_documents`, read from its forward's source):
-   transformers' mask functions isolate packed documents (position_ids restarting) only when given them, and a few
-   families (afmoe) leave them out, so their unsharded model attends across documents; CP must do the same.
-9. `masking_utils._preprocess_mask_arguments` returns no mask for a config whose `_attn_implementation` has no mask
-   function in `ALL_MASK_ATTENTION_FUNCTIONS` (a 4-D mask given by the caller still passes through unchanged):
-   `builds_no_mask` gives the module that builds a model's mask a config view under `CP_ATTENTION_KEY`, which has none,
-   when every CP layer's style works its masks out of the batch's inputs (the ring styles) and the model has no
-   sliding window (phimoe windows its mask without telling its attention: the ring reads that window from the mask).
-   A packed row's S x S mask is 16 GiB at 131k tokens, and no layer would read it.
+7. transformers' mask code: masks.py (`masks_isolate_documents`, `builds_no_mask`, `known_values_are_not_tracing`).
+
+May import torch, transformers and, lazily, cpbench.cp.ring.compiled (a compiled layer's one op around its style); the
+rest of cpbench.cp is handed in (`install(apply)`), so that anything in cpbench.cp may import this package.
 """
 
 from __future__ import annotations
 
-import ast
-import contextlib
-import functools
-import inspect
 import os
-import re
 import sys
-import textwrap
 from collections.abc import Callable
 
 import torch
@@ -66,79 +50,24 @@ from transformers.distributed.mixin import DistributedMixin
 from transformers.distributed.utils import _bind_local_device, _ensure_torch_distributed
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-CP_ATTENTION_KEY = "cpbench_cp"
-HIDDEN_STATES = "hidden_states"
-POSITION_EMBEDDINGS = "position_embeddings"
-POSITION_IDS = "position_ids"
-LAYOUT_KWARG = "cp_layout"
-KERNEL_DEVICE_KWARG = "kernel_device"  # DistributedConfig.cp_kernel_* as a KernelTarget, handed to a style when set
+from cpbench.cp.hf_compat.masks import builds_no_mask, known_values_are_not_tracing, masks_isolate_documents
+from cpbench.cp.hf_compat.views import (
+    CP_ATTENTION_KEY,
+    HIDDEN_STATES,
+    KERNEL_DEVICE_KWARG,
+    LAYOUT_KWARG,
+    POSITION_EMBEDDINGS,
+    POSITION_IDS,
+    AttentionConfigView,
+    ModuleView,
+)
 
-
-class AttentionConfigView:
-    """The model config as one attention module sees it: the same object, except `_attn_implementation`."""
-
-    def __init__(self, config, attn_implementation: str):
-        object.__setattr__(self, "_cp_base_config", config)
-        object.__setattr__(self, "_attn_implementation", attn_implementation)
-
-    def __getattr__(self, name):  # only for names not set here; a plain attribute read, which dynamo traces
-        if name.startswith("_cp_"):  # not set yet (a copy being rebuilt): no recursion
-            raise AttributeError(name)
-        return getattr(self._cp_base_config, name)
-
-    def __setattr__(self, name, value):
-        setattr(self._cp_base_config, name, value)
-
-
-class ModuleView:
-    """An attention module with some attributes replaced (e.g. `num_key_value_groups` after head sharding).
-
-    The model's attention functions read `module.config._attn_implementation` (flash attention picks its kernel
-    from it), so a view handed to them must carry the model's own config, not the CP view of it.
-    """
-
-    def __init__(self, module: torch.nn.Module, **overrides):
-        self._cp_module = module
-        self.__dict__.update(overrides)
-
-    def __getattr__(self, name):  # only for names not set here; a plain attribute read, which dynamo traces
-        if name.startswith("_cp_"):
-            raise AttributeError(name)
-        return getattr(self._cp_module, name)
-
-
-MASK_CALL = re.compile(r"(^|_)mask|mask_function")
-
-
-@functools.cache
-def masks_isolate_documents(base_model_class: type) -> bool:
-    """Whether `base_model_class.forward` hands `position_ids` to the function that builds its attention mask (a call
-    whose name says mask, or a `mask_kwargs` dict it unpacks into one): only then does a packed row's mask keep each
-    document to itself. A forward whose source cannot be read is taken to isolate them (transformers' usual way)."""
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(base_model_class.forward)))
-    except (OSError, TypeError, SyntaxError):
-        return True
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Call):
-            name = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", "")
-            if MASK_CALL.search(name) and any(k.arg == POSITION_IDS for k in node.keywords):
-                return True
-        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "mask_kwargs" for t in node.targets):
-            if isinstance(node.value, ast.Dict) and any(getattr(k, "value", None) == POSITION_IDS
-                                                        for k in node.value.keys):
-                return True
-    return False
-
-
-def builds_no_mask(module: torch.nn.Module) -> None:
-    """`module` (the one whose forward builds the decoder layers' mask) builds none (point 9 above)."""
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
-
-    if CP_ATTENTION_KEY in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
-        raise RuntimeError(f"{CP_ATTENTION_KEY!r} has a mask function in transformers: cannot skip the model's mask")
-    if not isinstance(module.config, AttentionConfigView):
-        module.config = AttentionConfigView(module.config, CP_ATTENTION_KEY)
+__all__ = [
+    "CP_ATTENTION_KEY", "HIDDEN_STATES", "KERNEL_DEVICE_KWARG", "LAYOUT_KWARG", "POSITION_EMBEDDINGS",
+    "POSITION_IDS", "AttentionConfigView", "ModuleView", "bind_attention", "builds_no_mask", "init_distributed",
+    "inner_attention", "install", "known_values_are_not_tracing", "masks_isolate_documents", "model_config",
+    "model_attention_implementation", "run_style", "tie_embedded_tail",
+]
 
 
 def model_config(module: torch.nn.Module):
@@ -264,56 +193,6 @@ def fsdp_policy_kwargs(distributed_config) -> dict:
     if "offload_policy" in kwargs and not torch.accelerator.is_available():
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
     return kwargs
-
-
-@contextlib.contextmanager
-def known_values_are_not_tracing():
-    """While entered, transformers' mask code reads fake tensors that carry their values (FakeTensor.constant) as
-    it reads real ones. Fake tensors without values still count as tracing, as before."""
-    from torch._subclasses.fake_tensor import FakeTensor
-    from transformers import masking_utils
-
-    original = masking_utils.is_tracing
-
-    def is_tracing(tensor=None) -> bool:
-        if isinstance(tensor, FakeTensor) and tensor.constant is not None:
-            return original(None)  # still tracing under torch.compile or jit
-        return original(tensor)
-
-    compatible = masking_utils.packed_sequence_compatibility_function
-
-    def packed_compatible(mask_function, position_ids, packed_sequence_mask):
-        inner = compatible(mask_function, position_ids, packed_sequence_mask)
-
-        def mask(*indices):
-            with _values_hidden(position_ids, packed_sequence_mask):
-                return inner(*indices)
-
-        return mask
-
-    masking_utils.is_tracing = is_tracing
-    masking_utils.packed_sequence_compatibility_function = packed_compatible
-    try:
-        yield
-    finally:
-        masking_utils.is_tracing = original
-        masking_utils.packed_sequence_compatibility_function = compatible
-
-
-@contextlib.contextmanager
-def _values_hidden(*tensors):
-    """While entered, fake tensors that carry their values carry none: what is computed from them stays fake (no real
-    compute), and nothing is allocated (a copy without values would add to a projection's tracked memory)."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    hidden = [(t, t.constant) for t in tensors if isinstance(t, FakeTensor) and t.constant is not None]
-    for t, _ in hidden:
-        t.constant = None
-    try:
-        yield
-    finally:
-        for t, constant in hidden:
-            t.constant = constant
 
 
 _ORIGINAL = {}
