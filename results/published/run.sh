@@ -17,13 +17,17 @@ est() {
   echo "== $name" >&2
   "$PY" -m cpbench estimate --out "$OUT" --run-name "$name" --jobs 2 "$@" >/dev/null
 }
-# A model calling FlashAttention-3 itself (transformers' flash_attention_3) runs as SDPA in a projection and is priced
-# as FlashAttention-3: the H200 profile with that kernel (`estimate --sdpa-kernel` names torch's kernels only).
+# A model calling FlashAttention-3 or -4 itself (transformers' flash_attention_3, flash-attn-4) runs as SDPA in a projection
+# and is priced as that kernel: the H200 and B200 profiles with it (`estimate --sdpa-kernel` names torch's kernels only).
 mkdir -p results/published/profiles
 "$PY" -c "import dataclasses; from cpbench.harness.project.hardware import load
 print(dataclasses.replace(load('h200'), name='h200-fa3', title='NVIDIA H200 SXM 141GB, a model calling FlashAttention-3',
                           sdpa_kernel='fa3').to_toml())" > results/published/profiles/h200-fa3.toml
 H200_FA3=results/published/profiles/h200-fa3.toml
+"$PY" -c "import dataclasses; from cpbench.harness.project.hardware import load
+print(dataclasses.replace(load('b200'), name='b200-fa4', title='NVIDIA B200 180GB, a model calling FlashAttention-4',
+                          sdpa_kernel='fa4').to_toml())" > results/published/profiles/b200-fa4.toml
+B200_FA4=results/published/profiles/b200-fa4.toml
 
 # --- TRL (PR #6845 / #6846), FSDP2 + CP over every GPU (torch's ring, its tiles through SDPA: cuDNN on H100 with
 # torch 2.11), recompute with the checkpoints offloaded, chunked NLL. cpbench's Ulysses runs the same SDPA kernel on the
@@ -77,6 +81,8 @@ est titan-pr355-llama-8b-a100 --model llama-3-8b $A100 --world-size 8 --recomput
 # --- ml-engineering (stas00), HF transformers, eager, bf16, 1 sequence per GPU.
 # 8 x H200, Llama-3.1-8B at 8k, DeepSpeed ZeRO-2, FlashAttention-3, no recompute, no offload
 est mleng-h200-8b-8k --model llama-3-8b --seq 8192 --cp 1 --world-size 8 --mixed-precision --gpu "$H200_FA3"
+# the same on 8 x B200, FlashAttention-4
+est mleng-b200-8b-8k-zero2 --model llama-3-8b --seq 8192 --cp 1 --world-size 8 --mixed-precision --gpu "$B200_FA4"
 # the same, ZeRO-3 with the optimizer on the host, recompute, Liger: cpbench offloads the parameters too
 for seq in 8192 32768 65536; do
   est "mleng-h200-8b-offload-$((seq / 1024))k" --model llama-3-8b --seq "$seq" --cp 1 --world-size 8 --mixed-precision \
