@@ -8,7 +8,8 @@ The mask comes from what it is made of, not from the model's S x S mask: causal 
 `sliding_window` (key k is visible from query q when q - k < window, transformers' definition) and the batch's
 `BatchMask` (packed documents, padded keys), worked out once per forward. Every tile is classified on the host
 from those facts (no tensor is read in a layer); only a tile that is partly masked gets a dense mask, of the
-tile's size. A 4-D mask the caller passed in (not built by the model from the batch) is sliced instead.
+tile's size. A 4-D mask the caller passed in (not built by the model from the batch) is sliced instead
+(given_mask.py).
 
 Rows that see no key at all: eager attention adds the dtype's minimum to every score of such a row, which
 absorbs the scores, so its softmax is a uniform average over all seq_len keys while its backward still passes
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from cpbench.cp.batch_mask import BatchMask, Runs
+from cpbench.cp.ring.given_mask import as_allowed, check_whole, dense_tile
 from cpbench.cp.ring.segments import Segments, segments_of, segments_of_runs
 
 SKIP, FULL, CAUSAL, DENSE, SEGMENTS = "skip", "full", "causal", "dense", "segments"
@@ -64,7 +66,7 @@ class RingMasks:
         if q_start >= self.seq_len or k_start >= self.seq_len:
             return TileMask(SKIP)  # an all-padding query chunk has no output to keep; padding keys are never seen
         if self.dense is not None:  # a caller's mask: read from the tensor (host syncs, as the mask is data)
-            allowed = _dense_tile(self.dense, q_start, k_start, length, self.seq_len)
+            allowed = dense_tile(self.dense, q_start, k_start, length, self.seq_len)
             rows = None if self.uniform_rows is None else self.uniform_rows[..., q_start : q_start + length]
             if rows is None or not bool(rows.any()):
                 return _classify(allowed)
@@ -113,7 +115,8 @@ class RingMasks:
         q_pos, k_pos = _positions(q_runs, self.device), _positions(k_runs, self.device)
         last = self.seq_len - 1
         if self.dense is not None:
-            block = _as_allowed(self.dense.index_select(-2, q_pos.clamp(max=last)).index_select(-1, k_pos.clamp(max=last)))
+            rows_of = self.dense.index_select(-2, q_pos.clamp(max=last))
+            block = as_allowed(rows_of.index_select(-1, k_pos.clamp(max=last)))
             allowed = block & ((q_pos < self.seq_len)[:, None] & (k_pos < self.seq_len)[None, :])
         else:
             allowed = self._allowed_at(q_pos, k_pos)
@@ -236,31 +239,6 @@ def _classify(allowed: torch.Tensor) -> TileMask:
     return TileMask(DENSE, allowed)
 
 
-def _dense_tile(mask: torch.Tensor, q0: int, k0: int, n: int, seq_len: int) -> torch.Tensor:
-    """The tile's bool mask sliced from a whole mask; rows/columns past seq_len stay False."""
-    q1, k1 = min(q0 + n, seq_len), min(k0 + n, seq_len)
-    block = _as_allowed(mask[..., q0:q1, k0:k1])
-    if (q1 - q0, k1 - k0) == (n, n):
-        return block
-    out = torch.zeros(*block.shape[:2], n, n, dtype=torch.bool, device=block.device)
-    out[..., : q1 - q0, : k1 - k0] = block
-    return out
-
-
-def _as_allowed(block: torch.Tensor) -> torch.Tensor:
-    if block.dtype == torch.bool:
-        return block
-    # An additive mask (eager): 0 attends, a very negative value (-inf or the dtype's minimum) blocks.
-    allowed = block == 0
-    blocked = block <= torch.finfo(block.dtype).min / 2
-    if not bool((allowed | blocked).all()):
-        raise ValueError(
-            "cp_ring: the attention mask holds values other than 0 and -inf (an attention bias, e.g. ALiBi). The "
-            "ring builds a boolean mask per block and cannot carry a bias; use cp_ulysses for this model."
-        )
-    return allowed
-
-
 def build_ring_masks(
     attention_mask,
     *,
@@ -303,24 +281,7 @@ def build_ring_masks(
 
 
 def _dense_masks(mask: torch.Tensor, seq_len: int, padded_len: int, causal: bool, device, window) -> RingMasks:
-    if tuple(mask.shape[-2:]) != (seq_len, seq_len):
-        raise ValueError(
-            f"cp_ring: attention_mask has shape {tuple(mask.shape)}, but a whole mask over seq_len={seq_len} must "
-            f"end in ({seq_len}, {seq_len}). Pass the mask unchanged (KV caches are not supported with CP)."
-        )
-    if not (mask.dtype == torch.bool or mask.is_floating_point()):
-        raise ValueError(f"cp_ring: a 4-D attention_mask must be bool (True = attend) or additive float, got "
-                         f"{mask.dtype}.")
-    if mask.is_floating_point():
-        # Validated whole, here, where every rank holds the same mask: a per-tile refusal would raise on one rank
-        # mid-ring and leave the others blocked on their next transfer. In row blocks, so the check's temporaries
-        # stay small next to the mask itself.
-        for rows in mask.split(256, dim=-2):
-            _as_allowed(rows)
-    uniform = None
-    if mask.is_floating_point():
-        rows = ~(mask == 0).any(-1)
-        uniform = rows if bool(rows.any()) else None
+    uniform = check_whole(mask, seq_len)
     return RingMasks(seq_len, padded_len, causal, device, window, uniform_rows=uniform, dense=mask)
 
 
