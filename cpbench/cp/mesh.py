@@ -24,10 +24,12 @@ class CPDeviceMesh:
 
     def __init__(self, flat: DeviceMesh, fsdp_size: int, cp_size: int, ulysses_degree: int = 1):
         self.flat = flat
-        self.root = flat._unflatten("fsdp_cp", (fsdp_size, cp_size), ("fsdp", "cp"))
+        self.root = flat._unflatten(_axis(flat, "fsdp_cp"), (fsdp_size, cp_size), ("fsdp", "cp"))
         # cp_usp's two views of the cp axis: `cp_ulysses` (inner: consecutive ranks, inside a node) and `cp_ring`
         # (outer), as `fsdp` and `cp` are views of `fsdp_cp`.
-        self.usp = self.root._unflatten("cp", (cp_size // ulysses_degree, ulysses_degree), ("cp_ring", "cp_ulysses"))
+        self.usp = self.root._unflatten(
+            _axis(self.root, "cp"), (cp_size // ulysses_degree, ulysses_degree), ("cp_ring", "cp_ulysses")
+        )
 
     def get_mesh(self, dims: str | tuple[str, ...]) -> DeviceMesh:
         dims = (dims,) if isinstance(dims, str) else tuple(dims)
@@ -42,6 +44,13 @@ class CPDeviceMesh:
     @property
     def usp_groups(self) -> "UspGroups":
         return UspGroups(self.usp["cp_ulysses"].get_group(), self.usp["cp_ring"].get_group(), self.cp_group)
+
+
+def _axis(mesh: DeviceMesh, name: str) -> int:
+    """The index of the axis `name`: `_unflatten` is given an index, never a name, because torch 2.11 inverted
+    its name check and refuses every axis the mesh has (pytorch/pytorch#176443); an index passes on every torch
+    cpbench accepts."""
+    return mesh.mesh_dim_names.index(name)
 
 
 class UspGroups:

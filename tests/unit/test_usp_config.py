@@ -77,3 +77,31 @@ def test_the_suite_field_reaches_the_usp_points_only():
 def test_a_suite_degree_that_does_not_fit_names_the_field(degree, why):
     with pytest.raises(SuiteErrors, match=rf"`cp_ulysses_degree`.*{why}"):
         load_suite("u.toml", text=BASE + f"cp_ulysses_degree = {degree}\n")
+
+
+def test_the_mesh_builds_under_torch_2_11s_inverted_axis_check(monkeypatch):
+    """torch 2.11's `DeviceMesh._unflatten` raises for a named axis the mesh *has* (its check reads `in` where it
+    means `not in`: pytorch/pytorch#176443), so every fsdp x cp mesh failed there. The emulation refuses what
+    2.11 refuses; the mesh must still build, by axis index."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from cpbench.cp.mesh import build_mesh
+
+    unflatten = DeviceMesh._unflatten
+
+    def torch_2_11_unflatten(self, dim, mesh_sizes, mesh_dim_names, *args, **kwargs):
+        if isinstance(dim, str) and dim in self.mesh_dim_names:
+            raise ValueError(f"dim {dim} specified in `_unflatten` is not in {self.mesh_dim_names}")
+        return unflatten(self, dim, mesh_sizes, mesh_dim_names, *args, **kwargs)
+
+    monkeypatch.setattr(DeviceMesh, "_unflatten", torch_2_11_unflatten)
+    dist.init_process_group("fake", rank=6, world_size=8, store=FakeStore())
+    try:
+        mesh = build_mesh(cpbench.DistributedConfig(fsdp_size=2, cp_size=4, cp_ulysses_degree=2), "cpu")
+        assert dist.get_process_group_ranks(mesh.cp_group) == [4, 5, 6, 7]
+        assert dist.get_process_group_ranks(mesh.get_mesh("fsdp").get_group()) == list(range(8))
+        assert dist.get_process_group_ranks(mesh.usp_groups.ring) == [4, 6]
+    finally:
+        dist.destroy_process_group()
