@@ -13,8 +13,9 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
+from .axes import empty, legend, ticks
 from .derive import with_config
-from .plots import _empty, config_colors
+from .plots import config_colors
 
 MAX_POINTS = 12  # bars groups in one figure: the longest packed points of each configuration first
 
@@ -52,14 +53,14 @@ def slowest_text(row: pd.Series) -> str:
 def balance_figure(frame: pd.DataFrame) -> Figure:
     """Per packed point, each cp rank's attention pairs and step time over the mean of its ranks (1: balanced)."""
     points = packed_points(frame)
-    fig = Figure(figsize=(max(8, 1.2 * len(points) + 4), 5), layout="constrained")
+    fig = Figure(figsize=(max(6, 1.2 * len(points) + 2), 5), layout="constrained")  # the legend widens it
     ax = fig.subplots()
     if points.empty:
-        _empty(ax, "no packed point with per-rank attention work (batch_kind packed or padded, cp > 1)")
+        empty(ax, "no packed point with per-rank attention work (batch_kind packed or padded, cp > 1)")
         return fig
     colors = config_colors(frame)
     x0 = 0.0
-    ticks, labels = [], []
+    positions, labels = [], []
     for _, row in points.iterrows():
         work = np.asarray(row["attention_pairs_per_rank"], dtype=float)
         ranks = np.arange(len(work))
@@ -70,15 +71,13 @@ def balance_figure(frame: pd.DataFrame) -> Figure:
             steps = np.asarray(steps, dtype=float)[: len(work)]
             ax.plot(x0 + ranks[: len(steps)], steps / steps.mean(), "k_", markersize=14, markeredgewidth=2,
                     label="step time / mean (per rank)")
-        ticks.append(x0 + (len(work) - 1) / 2)
+        positions.append(x0 + (len(work) - 1) / 2)
         labels.append(f"{row['seq_len']:,} tok\n{row.get('documents') or 'packed'}\n{imbalance_text(row)}")
         x0 += len(work) + 1.5
     ax.axhline(1.0, color="gray", linewidth=1, linestyle="--")
-    ax.set_xticks(ticks, labels, fontsize="small")
+    ticks(ax, "x", positions, labels)
     ax.set_ylabel("per rank / mean of the ranks (bars: attention pairs)")
     projected = "projected" in set(points.get("measurement", []))
     ax.set_title("Attention work per cp rank on packed points" + (" (steps projected)" if projected else ""))
-    handles, names = ax.get_legend_handles_labels()
-    unique = dict(zip(names, handles))  # one entry per configuration, however many of its points are drawn
-    ax.legend(unique.values(), unique.keys(), fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    legend(ax)  # one entry per configuration, however many of its points are drawn
     return fig

@@ -7,6 +7,8 @@ import pandas as pd
 
 from .runs.schema import KEY_COLUMNS
 
+SEPARATOR = " · "  # between the parts of a configuration's label (axes.wrap breaks long labels there)
+
 # The key columns a comparison column is made of, in label order (cp size first, as users read it).
 CONFIG_ORDER = ("cp_size", "attn_implementation", "cp_style") + tuple(
     c for c in KEY_COLUMNS if c not in ("seq_len", "cp_size", "attn_implementation", "cp_style")
@@ -36,7 +38,7 @@ def _label(row: pd.Series, dims: list[str]) -> str:
             parts.append(str(value))
         else:
             parts.append(f"{dim}={value}")
-    return " · ".join(parts)
+    return SEPARATOR.join(parts)
 
 
 def ordered_configs(frame: pd.DataFrame) -> list[str]:

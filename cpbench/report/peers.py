@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import pandas as pd
 from matplotlib.figure import Figure
-from matplotlib.ticker import FuncFormatter, NullFormatter
 
 from . import units
+from .axes import legend, seq_axis
+from .derive import SEPARATOR
 from .tables import NOT_RUN, PARITY_TEXT, STATUS_TEXT
 
 UNSHARDED = "unsharded (cp 1)"
@@ -20,7 +21,7 @@ UNSHARDED = "unsharded (cp 1)"
 def _column(row: pd.Series) -> str:
     if row["cp_size"] == 1:
         return UNSHARDED
-    return f"{row['implementation']} · {row['cp_style']} · cp {int(row['cp_size'])}"
+    return SEPARATOR.join((str(row["implementation"]), str(row["cp_style"]), f"cp {int(row['cp_size'])}"))
 
 
 def with_time_ratio(frame: pd.DataFrame) -> pd.DataFrame:
@@ -59,17 +60,12 @@ def peers_figure(frame: pd.DataFrame) -> Figure:
     """Time ratio to the unsharded op against seq_len, one line per implementation · style."""
     rows = with_time_ratio(frame)
     rows = rows[(rows["status"] == "ok") & (rows["cp_size"] > 1)]
-    fig = Figure(figsize=(9, 4.5), layout="constrained")
+    fig = Figure(figsize=(7, 4.5), layout="constrained")  # the legend widens it
     ax = fig.add_subplot()
     for column, points in rows.sort_values("seq_len").groupby("column"):
         ax.plot(points["seq_len"], points["time_ratio"], marker="o", label=column)
-    ax.set_xscale("log", base=2)
-    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: units.seq_label(x)))  # 16k, 1M
-    ax.xaxis.set_minor_formatter(NullFormatter())
-    ax.set_xlabel("tokens per sequence")
+    seq_axis(ax, rows["seq_len"], "tokens per sequence")
     ax.set_ylabel("step time / unsharded step time")
     ax.set_title("CP implementations side by side (lower is faster)")
-    if len(rows):  # beside the axes, never over the data
-        ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
-    ax.grid(True, alpha=0.3)
+    legend(ax)
     return fig

@@ -3,20 +3,20 @@
 Each `*_figure(frame)` returns a Figure (a notebook shows it; `page.save_figures` writes PNGs, and leaves out a figure
 with nothing to show, saying why: the message the figure would have shown, `nothing_to_show`). Axes are in GiB and ms (rendering only); the data stays in bytes and seconds. A configuration has
 one colour in every figure of a run (`config_colors`), sequence lengths read 16k, 32k, 1M, and legends stand outside
-the data.
+the data. Tick labels and legends go through `axes`, which wraps long labels and grows a figure around them: each
+figure is created at the size of its data alone.
 """
 
 from __future__ import annotations
 
 import io
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
 from matplotlib import colormaps
 from matplotlib.figure import Figure
-from matplotlib.ticker import FuncFormatter, NullFormatter
 
+from .axes import MAX_INCHES, empty, legend, seq_axis, ticks
 from .derive import largest_fit, measurement_note, ordered_configs, ratios_vs_cp1, with_config, with_projected_time
 from .units import GIB, human_bytes, seq_label
 
@@ -46,33 +46,7 @@ def config_colors(frame: pd.DataFrame) -> dict[str, tuple]:
 
 def _width(bars: int) -> float:
     """Inches for a figure of one bar (or column of marks) per point: wider with more points, up to a page."""
-    return min(max(8, 0.5 * bars + 2), 40)
-
-
-def _seq_axis(ax, lengths) -> None:
-    """A log-2 axis of sequence lengths, spanning `lengths` (the points the figure is about, drawn or not: a figure
-    whose values are all NaN still has an axis to stand on)."""
-    ax.set_xscale("log", base=2)
-    lengths = [float(v) for v in lengths if pd.notna(v) and v > 0]
-    if lengths:
-        ax.set_xlim(min(lengths) / 1.5, max(lengths) * 1.5)
-    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: seq_label(x)))
-    ax.xaxis.set_minor_formatter(NullFormatter())
-    ax.set_xlabel("sequence length (tokens)")
-    ax.grid(True, alpha=0.3)
-
-
-def _legend(ax) -> None:
-    """The legend beside the axes, never over the data; in columns when a run has many configurations."""
-    entries = len(ax.get_legend_handles_labels()[0])
-    if entries:
-        ax.legend(fontsize="small" if entries <= 20 else "x-small", ncols=1 + entries // 30, loc="upper left",
-                  bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
-
-
-def _empty(ax, message: str) -> None:
-    ax.text(0.5, 0.5, message, ha="center", va="center", transform=ax.transAxes)
-    ax.set_axis_off()
+    return min(max(8, 0.5 * bars + 2), MAX_INCHES)
 
 
 def capacity_bytes(frame: pd.DataFrame, explicit: float | None = None) -> tuple[float, str] | None:
@@ -86,12 +60,12 @@ def capacity_bytes(frame: pd.DataFrame, explicit: float | None = None) -> tuple[
 
 def memory_figure(frame: pd.DataFrame, capacity: float | None = None) -> Figure:
     """Peak memory per rank vs sequence length, one line (max over ranks) per configuration, every rank a dot."""
-    fig = Figure(figsize=(10, 5), layout="constrained")
+    fig = Figure(figsize=(8, 5), layout="constrained")  # the data's width: the legend widens it
     ax = fig.add_subplot()
     ok, colors = _ok(frame), config_colors(frame)
     labelled = with_config(frame)
     if ok.empty and not labelled["status"].isin(["oom", "error", "timeout"]).any():
-        _empty(ax, "no point finished ok")
+        empty(ax, "no point finished ok")
         return fig
     for config in ordered_configs(ok) if len(ok) else []:
         points = ok[ok["config"] == config]
@@ -103,10 +77,10 @@ def memory_figure(frame: pd.DataFrame, capacity: float | None = None) -> Figure:
     line = capacity_bytes(frame, capacity)
     if line:
         ax.axhline(line[0] / GIB, color="red", linestyle="--", label=line[1])
-    _seq_axis(ax, labelled["seq_len"])
+    seq_axis(ax, labelled["seq_len"])
     ax.set_ylabel("peak memory per rank (GiB)")
     ax.set_title("Peak memory per rank (line: max over ranks, dots: each rank)" + measurement_note(frame))
-    _legend(ax)
+    legend(ax)
     return fig
 
 
@@ -126,13 +100,13 @@ def _mark_failures(ax, frame: pd.DataFrame, colors: dict) -> None:
 
 def time_figure(frame: pd.DataFrame) -> Figure:
     """Median step time (p10–p90 bars) and tokens/s vs sequence length."""
-    fig = Figure(figsize=(12, 5), layout="constrained")
+    fig = Figure(figsize=(10, 5), layout="constrained")
     step_ax, tps_ax = fig.subplots(1, 2)
     ok = _ok(with_projected_time(frame)).dropna(subset=["step_time_median_s"])
     if ok.empty:
-        _empty(step_ax, "no timed point (a projection has time only on a GPU profile: estimate --gpu)"
-               if measurement_note(frame) else "no point finished ok")
-        _empty(tps_ax, "")
+        empty(step_ax, "no timed point (a projection has time only on a GPU profile: estimate --gpu)"
+              if measurement_note(frame) else "no point finished ok")
+        empty(tps_ax, "")
         return fig
     colors = config_colors(frame)
     for config in ordered_configs(ok):
@@ -144,21 +118,21 @@ def time_figure(frame: pd.DataFrame) -> Figure:
         tps_ax.plot(p["seq_len"], p["tokens_per_s"], marker="o", label=config, color=colors[config])
     gpus = ", ".join(sorted(ok["gpu_profile"].dropna().unique())) if "gpu_profile" in ok else ""
     for ax, label in ((step_ax, "step time, median (ms; bars p10–p90)"), (tps_ax, "tokens / s")):
-        _seq_axis(ax, ok["seq_len"])
+        seq_axis(ax, ok["seq_len"])
         ax.set_ylabel(label)
         ax.set_title(label.split(",")[0].capitalize() + measurement_note(frame) + (f" on {gpus}" if gpus else ""))
-    _legend(tps_ax)
+    legend(tps_ax)
     return fig
 
 
 def scaling_figure(frame: pd.DataFrame) -> Figure:
     """Speed-up and memory ratio against cp=1 of the same point, vs sequence length."""
-    fig = Figure(figsize=(12, 5), layout="constrained")
+    fig = Figure(figsize=(10, 5), layout="constrained")
     speed_ax, mem_ax = fig.subplots(1, 2)
     ratios = ratios_vs_cp1(frame).sort_values("seq_len")
     if ratios.empty:
-        _empty(speed_ax, "no cp > 1 point has an ok cp=1 counterpart")
-        _empty(mem_ax, "")
+        empty(speed_ax, "no cp > 1 point has an ok cp=1 counterpart")
+        empty(mem_ax, "")
         return fig
     timed = bool(ratios["speedup"].notna().any())
     colors = config_colors(frame)
@@ -178,10 +152,10 @@ def scaling_figure(frame: pd.DataFrame) -> Figure:
         speed_ax.axhline(1.0, color="grey", linestyle="--")
         speed_ax.set_ylabel("speed-up vs cp=1 (cp=1 step time / step time)")
     else:
-        _empty(speed_ax, "no speed-up: no point was timed (a projection has no time)")
+        empty(speed_ax, "no speed-up: no point was timed (a projection has no time)")
     for ax in axes:
-        _seq_axis(ax, ratios["seq_len"])
-    _legend(mem_ax)
+        seq_axis(ax, ratios["seq_len"])
+    legend(mem_ax)
     return fig
 
 
@@ -192,7 +166,7 @@ def breakdown_figure(frame: pd.DataFrame) -> Figure:
     fig = Figure(figsize=(_width(len(ok)), 5), layout="constrained")
     ax = fig.add_subplot()
     if ok.empty:
-        _empty(ax, "no point finished ok")
+        empty(ax, "no point finished ok")
         return fig
     ok = ok.sort_values(["config_order", "seq_len"])
     x = np.arange(len(ok))
@@ -213,12 +187,11 @@ def breakdown_figure(frame: pd.DataFrame) -> Figure:
             ax.bar(x + width / 2, values, width, bottom=bottom, label=f"host: {label}", hatch="//",
                    color=colors.get(column.replace("host_", "")), edgecolor="white")
             bottom += values
-    ax.set_xticks(x, [f"{c}\n{seq_label(s)}" for c, s in zip(ok["config"], ok["seq_len"])], rotation=90,
-                  fontsize="small")
+    ticks(ax, "x", x, [f"{c}\n{seq_label(s)}" for c, s in zip(ok["config"], ok["seq_len"])], rotation=90)
     ax.set_ylabel("GiB (rank with the highest peak)")
     ax.set_title(("Memory breakdown at the peak: device (left) and host (right, hatched)" if host
                   else "Memory breakdown at the peak") + measurement_note(frame))
-    _legend(ax)
+    legend(ax)
     return fig
 
 
@@ -229,7 +202,7 @@ def parity_figure(frame: pd.DataFrame) -> Figure:
     fig = Figure(figsize=(_width(len(judged)), 5), layout="constrained")
     ax = fig.add_subplot()
     if judged.empty:
-        _empty(ax, "no point has a parity verdict")
+        empty(ax, "no point has a parity verdict")
         return fig
     x = np.arange(len(judged))
     fractions = [(judged[error] / judged[tolerance]).to_numpy(dtype=float) for error, tolerance, _ in PARITY]
@@ -248,10 +221,9 @@ def parity_figure(frame: pd.DataFrame) -> Figure:
     ax.axhline(1.0, color="red", linestyle="--", label="tolerance")
     ax.set_yscale("log")
     ax.set_ylabel(f"error / tolerance (0 drawn at {FLOOR:g})")
-    ax.set_xticks(x, [f"{c}\n{seq_label(s)}" for c, s in zip(judged["config"], judged["seq_len"])], rotation=90,
-                  fontsize="small")
+    ticks(ax, "x", x, [f"{c}\n{seq_label(s)}" for c, s in zip(judged["config"], judged["seq_len"])], rotation=90)
     ax.set_title("Parity against the unsharded reference")
-    _legend(ax)
+    legend(ax)
     return fig
 
 
@@ -261,7 +233,7 @@ def fit_figure(frame: pd.DataFrame) -> Figure:
     fig = Figure(figsize=(8, min(0.5 * len(fits) + 2, 40)), layout="constrained")
     ax = fig.add_subplot()
     if fits.empty or fits["largest_ok_seq_len"].isna().all():
-        _empty(ax, "no point finished ok")
+        empty(ax, "no point finished ok")
         return fig
     y = np.arange(len(fits))
     ax.barh(y, fits["largest_ok_seq_len"].fillna(0).astype(float))
@@ -271,7 +243,7 @@ def fit_figure(frame: pd.DataFrame) -> Figure:
         note += f"  (failed at {failed:,})" if pd.notna(failed) else "  (no failure in the sweep)"
         note += f"  host/node {human_bytes(host)}" if pd.notna(host) and host > 0 else ""
         ax.text(0, i, " " + note, va="center", fontsize="small")
-    ax.set_yticks(y, fits["config"])
+    ticks(ax, "y", y, fits["config"])
     ax.set_xlabel("largest sequence length that fits (tokens)")
     ax.set_title("Largest sequence length that fits" + measurement_note(frame))
     return fig
