@@ -102,7 +102,9 @@ def test_the_search_goes_by_levels_and_prunes_only_by_finished_ones():
     assert any(p.startswith("cp_ulysses/sdpa cp <= 1") and "not 2 % above the best" in p for p in search.pruned)
     assert any(p.startswith("cp_ring_zigzag/sdpa cp 2: no rung fits") for p in search.pruned)
     # USP's floor is the zigzag ring's (the same pairs and tiles): not above the best, no USP point at that cp
-    search.ring_bound[4] = search.best
+    search.ring_bound["eager", 4] = search.best / 2  # another backend's ring: not USP-over-sdpa's bound
+    assert len(search.level(4, [USP])) == 1
+    search.ring_bound["sdpa", 4] = search.best
     assert search.level(4, [USP]) == []
     assert any(p.startswith("cp_usp-u2/sdpa cp 4: at most") for p in search.pruned)
 

@@ -20,11 +20,13 @@ Pruning, each said in the output:
 - the first rung that fits ends a cp (the higher ones only add time);
 - a smaller cp is not tried when it cannot beat the best of the finished levels by `min_gain`: its tokens/s are at
   most the tokens per GPU over the larger cp's floor (timing.floor_seconds: its GEMMs and attention at their best
-  efficiencies, and for Ulysses its element-wise work at HBM speed; nothing else). Everything a smaller cp changes
-  only lowers its time per token above that floor (a ring's merges and steps, short tiles, heads per call, the
-  optimizer and the host spread over more tokens), never the floor itself;
-- USP, at each level after the other styles, is not tried where that bound of the zigzag ring at the same or a
-  larger cp (the same pairs and tile kernels: the same floor) is not above the best.
+  efficiencies, nothing else: the work per token no cp size changes). Everything a smaller cp changes only lowers
+  its time per token above that floor (a ring's merges and steps, short tiles, heads per call, the optimizer and
+  the host spread over more tokens), never the floor itself. Element-wise work is left out: per token it is not
+  the same at every cp (Ulysses' layout copies and the ring's merges grow with it), so a floor holding it would
+  not bound a smaller cp;
+- USP, at each level after the other styles, is not tried where that bound of the zigzag ring of the same backend
+  at the same or a larger cp (the same pairs and tile kernels: the same floor) is not above the best.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from cpbench.harness.project.estimate import Estimator, run_chains
 from cpbench.harness.project.hardware import load as load_hardware
 from cpbench.harness.run.sweep import pick_run_dir, writing
 from cpbench.harness.suite.presets import get_preset
-from cpbench.harness.suite.spec import NO_STYLE, load_suite
+from cpbench.harness.suite.spec import load_suite
 from cpbench.report.units import parse_bytes
 
 RUNGS = (
@@ -141,7 +143,7 @@ class Search:
         self.start: dict[tuple, int] = {}  # configuration -> the rung its next (smaller) cp starts at
         self.bound: dict[tuple, float] = {}  # configuration -> tokens/s per GPU its smaller cps cannot pass
         self.ended: set[tuple] = set()  # configurations whose smaller cps are not tried (said in `pruned`)
-        self.ring_bound: dict[int, float] = {}  # cp -> the zigzag ring's bound there (USP's too)
+        self.ring_bound: dict[tuple, float] = {}  # (backend, cp) -> the zigzag ring's bound there (USP's too)
         self.pruned: list[str] = []
         self.suites: dict[str, str] = {}  # point_id -> its suite text
         self._level: list[tuple] = []  # (configuration, cp, row) of the level running
@@ -177,7 +179,7 @@ class Search:
             self.ended.add(key)
             return True
         if key[1] == "cp_usp":
-            ring = min((b for c, b in self.ring_bound.items() if c >= cp), default=None)
+            ring = min((b for (a, c), b in self.ring_bound.items() if a == key[0] and c >= cp), default=None)
             if ring is not None and ring <= self.best * gain:
                 self.pruned.append(f"{self.label(key)} cp {cp}: at most {ring:.4g} tok/s/GPU (the zigzag ring's "
                                    f"floor: the same pairs and tiles), not {100 * self.opts.min_gain:g} % above the "
@@ -223,7 +225,7 @@ class Search:
                 bound = tokens * row["projected_step_s"] / floor
                 self.bound[key] = min(self.bound.get(key, bound), bound)
                 if key[1] == "cp_ring_zigzag":
-                    self.ring_bound[cp] = bound
+                    self.ring_bound[key[0], cp] = bound
         self._level = []
 
 
@@ -236,8 +238,7 @@ class _Estimator(Estimator):
         times = [r["time"] for r in records or () if r.get("time") and r["time"].get("floor_s")]
         if not times:
             return row
-        ringless = point.cp_style in ("cp_ulysses", NO_STYLE) or point.cp_size == 1  # no merges: per token the same
-        return {**row, "floor_s": max(t["floor_s"] + (t["floor_memory_s"] if ringless else 0.0) for t in times)}
+        return {**row, "floor_s": max(t["floor_s"] for t in times)}
 
 
 def run_plan(opts: PlanOptions, on_row=None) -> tuple[Path, Search]:
