@@ -122,6 +122,9 @@ def test_the_host_pays_per_op_per_fsdp_collective_and_per_optimizer_tensor():
 def test_the_dispatch_measurement_separates_the_host_from_the_kernels():
     from cpbench.harness.project import dispatch
 
-    r = dispatch.measure(layers=2, steps=2)
+    r = dispatch.measure(layers=2, steps=2, rounds=1)
     assert 1e-7 < r["cpu_op_s"] < 1e-3 and r["cpu_fsdp_collective_s"] > 0 and r["cpu_optimizer_tensor_s"] > 0
     assert r["sharded"]["collectives"] > 0 and r["alone"]["ops"] > 100
+    # every layer recomputed: each marked once, and its replayed ops counted as ops
+    assert r["recomputed"]["checkpoints"] == 2 and r["recomputed"]["ops"] > r["alone"]["ops"]
+    assert abs(r["cpu_recompute_layer_s"]) < 0.1  # its value: the full measurement (16 layers), not 2 layers

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cpbench.harness.project import hardware
-from cpbench.harness.project.timing import BREAKDOWN, collective_seconds, op_seconds, simulate
+from cpbench.harness.project.timing import BREAKDOWN, collective_seconds, host_seconds, op_seconds, simulate
 from cpbench.harness.project.trace import Op
 from cpbench.harness.project.work import attention, causal_pairs
 
@@ -267,11 +267,13 @@ cpu_op_s = 3e-5
 cuda_launch_s = 0.0
 cpu_fsdp_collective_s = 0.0
 cpu_optimizer_tensor_s = 0.0
+cpu_recompute_layer_s = 0.0
 intra_node_latency_s = 5e-5
 inter_node_latency_s = 5e-5
 sms = 1
 intra_node_half_mib = 0
 inter_node_half_mib = 0
+memory_half_mib = 0
 nccl_sm_fraction = 0.0
 [cpu-core.efficiency]
 gemm = 0.5
@@ -319,3 +321,14 @@ def test_projected_times_rank_measured_cpu_points_as_their_measurements_do(tmp_p
     table = "; ".join(f"{pid.split('/', 1)[1]}: measured {measured[pid]:.4f} s, projected {projected[pid]:.4f} s"
                       for pid in sorted(measured, key=measured.get))
     assert not discordant, table
+
+
+def test_a_recomputed_layer_costs_the_host_its_checkpoint_and_the_gpu_nothing():
+    host = dataclasses.replace(HW, cpu_op_s=1e-5, cpu_recompute_layer_s=1e-3)
+    mark = op("checkpoint")
+    assert host_seconds(mark, host) == 1e-3 and op_seconds(mark, host, "bfloat16") == 0.0
+    kernels = [op("memory", nbytes=1e6)] * 2  # 1 us each, issued 10 us apart: the host leads
+    plain, marked = (simulate(t, host, "bfloat16") for t in (kernels, [kernels[0], mark, kernels[1]]))
+    assert marked["step_s"] == pytest.approx(plain["step_s"] + 1e-3)
+    assert marked["overhead_s"] == pytest.approx(plain["overhead_s"] + 1e-3)  # the GPU waits for the host
+    assert marked["compute_s"] == plain["compute_s"]

@@ -31,6 +31,10 @@ Tested against transformers 5.23 (pinned in pyproject.toml). What cpbench relies
    `save_on_cpu(pin_memory=True, ...)`: pinning fails where no accelerator exists. `install` wraps it the same way
    (`save_on_cpu_where_pinnable`), so activation offload runs on CPU too (where it copies to host what already is).
 7. transformers' mask code: masks.py (`masks_isolate_documents`, `builds_no_mask`, `known_values_are_not_tracing`).
+8. Activation checkpointing: `GradientCheckpointingLayer` checkpoints its forward when its `gradient_checkpointing`
+   is on and it is training; `activation_checkpointing_enable(every_n_layers=n)` turns that on for every n-th such
+   layer (and sets the flag on other modules, e.g. the base model, that checkpoint nothing):
+   `recomputed_layers` names the layers a step recomputes, for the time model's trace.
 
 May import torch, transformers and, lazily, cpbench.cp.ring.compiled (a compiled layer's one op around its style); the
 rest of cpbench.cp is handed in (`install(apply)`), so that anything in cpbench.cp may import this package.
@@ -66,7 +70,7 @@ __all__ = [
     "CP_ATTENTION_KEY", "HIDDEN_STATES", "KERNEL_DEVICE_KWARG", "LAYOUT_KWARG", "POSITION_EMBEDDINGS",
     "POSITION_IDS", "AttentionConfigView", "ModuleView", "bind_attention", "builds_no_mask", "init_distributed",
     "inner_attention", "install", "known_values_are_not_tracing", "masks_isolate_documents", "model_config",
-    "model_attention_implementation", "run_style", "tie_embedded_tail",
+    "model_attention_implementation", "recomputed_layers", "run_style", "tie_embedded_tail",
 ]
 
 
@@ -127,6 +131,13 @@ def bind_attention(module: torch.nn.Module, binding) -> None:
     bind_site(module, run_style)
     if not isinstance(module.config, AttentionConfigView):
         module.config = AttentionConfigView(module.config, CP_ATTENTION_KEY)
+
+
+def recomputed_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The layers whose forward activation checkpointing recomputes in training (touch point 8)."""
+    from transformers import GradientCheckpointingLayer
+
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing]
 
 
 def init_distributed() -> torch.device:

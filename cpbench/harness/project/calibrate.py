@@ -47,6 +47,8 @@ def _used(samples: list[Sample], hw: Hardware) -> list[str]:
     used = [efficiency_key(k, hw) for k in kinds if k.startswith(("gemm", "attention"))]
     if kinds & {"memory", "copy_out", "gemm"} or any(k.startswith("attention") for k in kinds):
         used.append("memory")
+    if any(op.strided for s in samples for t in s.traces for op in t):
+        used.append("memory_strided")
     if kinds & {"all_gather", "reduce_scatter", "all_to_all", "all_reduce", "p2p"}:
         used += ["intra_node"] if any(not c for _, c in streams) else []
         used += ["inter_node"] if any(c for _, c in streams) else []
@@ -58,7 +60,10 @@ def _used(samples: list[Sample], hw: Hardware) -> list[str]:
 
 
 def _get(hw: Hardware, name: str) -> float:
-    return hw.efficiency[name.split(".", 1)[1]] if name.startswith("efficiency.") else getattr(hw, name)
+    if not name.startswith("efficiency."):
+        return getattr(hw, name)
+    key = name.split(".", 1)[1]
+    return hw.efficiency.get(key, hw.efficiency["memory"]) if key == "memory_strided" else hw.efficiency[key]
 
 
 def _set(hw: Hardware, name: str, value: float) -> Hardware:

@@ -1,5 +1,5 @@
 """The host's time to dispatch cpbench's own eager step, measured here: the profiles' `cpu_op_s`,
-`cpu_fsdp_collective_s` and `cpu_optimizer_tensor_s`.
+`cpu_fsdp_collective_s`, `cpu_optimizer_tensor_s` and `cpu_recompute_layer_s`.
 
 An eager step costs the host time whatever its kernels compute: Python, autograd's graph, torch's dispatcher and
 allocator for every op; FSDP2's hooks around every unshard and reduce-scatter (DTensor bookkeeping, streams,
@@ -13,7 +13,8 @@ and ops, a few elements each) runs on CPU tensors against a fake process group (
 collectives are called; no bytes move), on one thread, in fp32 (CPU kernels of bf16 cost more than the dispatch
 being measured); its process CPU time (not wall time: a busy machine does not inflate it) is taken at two tiny
 lengths and extrapolated to no tokens. Without FSDP that gives the time per op; with it, what FSDP2 adds, per
-collective; the optimizer step is timed apart. What a CUDA step adds (the driver's launch of each kernel) and what
+collective; with every layer recomputed (activation checkpointing), what a recomputed layer adds beyond the ops it
+replays (each priced at the time per op), per layer; the optimizer step is timed apart. What a CUDA step adds (the driver's launch of each kernel) and what
 it saves (the CPU kernel of a few elements) are not in it: both are a few microseconds.
 
     python -m cpbench.harness.project.dispatch            # prints the measurement (about a minute)
@@ -29,11 +30,12 @@ LENGTHS = (8, 32)  # tokens per sequence: both tiny, so the extrapolation remove
 FSDP_COLLECTIVES = ("all_gather", "reduce_scatter")
 
 
-def _suite_text(model: str, world_size: int, layers: int) -> str:
+def _suite_text(model: str, world_size: int, layers: int, recompute: bool = False) -> str:
     # a CUDA point (its kernel choices, the foreach optimizer), run on CPU tensors
     return (f'name = "dispatch"\nmodel = "{model}"\nseq_lens = [{", ".join(map(str, LENGTHS))}]\n'
             f'cp_sizes = [1]\nworld_size = {world_size}\ndtype = "float32"\ndevice = "cuda"\n'
-            f'warmup_steps = 1\nmeasured_steps = 1\nmodel_overrides = {{num_hidden_layers = {layers}}}\n')
+            f'warmup_steps = 1\nmeasured_steps = 1\nmodel_overrides = {{num_hidden_layers = {layers}}}\n'
+            f'activation_checkpointing = {str(recompute).lower()}\n')
 
 
 def step_costs(point, steps: int = 10) -> dict:
@@ -56,13 +58,14 @@ def step_costs(point, steps: int = 10) -> dict:
             for _ in range(3):  # warm up: the optimizer state, the allocator, the first calls' caches
                 step.train_step(model, optimizer, batch)
             trace = StepTrace()
-            hooks = trace.optimizer_hooks(optimizer)
+            hooks = trace.optimizer_hooks(optimizer) + trace.checkpoint_hooks(model)
             with trace:
                 step.train_step(model, optimizer, batch)
             for h in hooks:
                 h.remove()
-            priced = [o for o in trace.ops if o.kind != "sync"]
+            priced = [o for o in trace.ops if o.kind not in ("sync", "checkpoint")]
             costs = {"ops": sum(o.phase == "step" for o in priced),
+                     "checkpoints": sum(o.kind == "checkpoint" for o in trace.ops),
                      "collectives": sum(o.phase == "step" and o.kind in FSDP_COLLECTIVES for o in priced),
                      "tensors": sum(o.tensors for o in priced if o.phase == "optimizer"),
                      "step_s": float("inf"), "optimizer_s": float("inf")}
@@ -87,12 +90,12 @@ def step_costs(point, steps: int = 10) -> dict:
         torch.set_num_threads(threads)
 
 
-def _at_no_tokens(model: str, world_size: int, layers: int, steps: int) -> dict:
+def _at_no_tokens(model: str, world_size: int, layers: int, steps: int, recompute: bool = False) -> dict:
     """step_costs at the two lengths, the step's time extrapolated to no tokens (`host_s`)."""
     from cpbench.harness.suite.spec import load_suite
 
-    points = sorted(load_suite("dispatch.toml", text=_suite_text(model, world_size, layers)).points(),
-                    key=lambda p: p.seq_len)
+    text = _suite_text(model, world_size, layers, recompute)
+    points = sorted(load_suite("dispatch.toml", text=text).points(), key=lambda p: p.seq_len)
     a, b = (step_costs(p, steps) | {"tokens": p.seq_len * p.batch_size} for p in points)
     if (a["ops"], a["collectives"]) != (b["ops"], b["collectives"]):
         raise RuntimeError(f"the step dispatched {a['ops']} ops at {a['tokens']} tokens and {b['ops']} at "
@@ -101,17 +104,25 @@ def _at_no_tokens(model: str, world_size: int, layers: int, steps: int) -> dict:
     return {**a, "host_s": a["step_s"] - per_token * a["tokens"], "per_token_s": per_token, "runs": [a, b]}
 
 
-def measure(model: str = "tiny-llama", layers: int = 16, steps: int = 10) -> dict:
+def measure(model: str = "tiny-llama", layers: int = 16, steps: int = 10, rounds: int = 3) -> dict:
     """The host's dispatch costs (see the module docstring). `layers`: a real model's depth, so that a step's
-    once-per-step work weighs against as many layers' ops as it does there."""
-    alone = _at_no_tokens(model, 1, layers, steps)
+    once-per-step work weighs against as many layers' ops as it does there. The step with and without recompute is
+    measured in alternating `rounds`, each keeping its least: the recompute figure is their difference, which a
+    machine that slows between two separate measurements would distort."""
+    plain, again = [], []
+    for _ in range(rounds):
+        plain.append(_at_no_tokens(model, 1, layers, steps))
+        again.append(_at_no_tokens(model, 1, layers, steps, recompute=True))
+    alone, recomputed = (min(runs, key=lambda r: r["host_s"]) for runs in (plain, again))
     sharded = _at_no_tokens(model, 2, layers, steps)
     per_op = alone["host_s"] / alone["ops"]
     per_collective = (sharded["host_s"] - per_op * sharded["ops"]) / sharded["collectives"]
     per_tensor = sharded["optimizer_s"] / sharded["tensors"]  # FSDP2's parameters are DTensors, as on the GPUs
+    # the replayed forward's ops are priced per op like any other; what is left is the checkpoint's own
+    per_layer = (recomputed["host_s"] - per_op * recomputed["ops"]) / recomputed["checkpoints"]
     return {"model": model, "layers": layers, "cpu_op_s": per_op, "cpu_fsdp_collective_s": per_collective,
-            "cpu_optimizer_tensor_s": per_tensor, "alone": alone, "sharded": sharded,
-            "torch": torch.__version__, "cpu": _cpu_name()}
+            "cpu_optimizer_tensor_s": per_tensor, "cpu_recompute_layer_s": per_layer, "alone": alone,
+            "sharded": sharded, "recomputed": recomputed, "torch": torch.__version__, "cpu": _cpu_name()}
 
 
 def _cpu_name() -> str:
@@ -124,11 +135,13 @@ def _cpu_name() -> str:
 
 if __name__ == "__main__":
     r = measure()
-    a, s = r["alone"], r["sharded"]
+    a, s, c = r["alone"], r["sharded"], r["recomputed"]
     print(f"{r['model']}, {r['layers']} layers, on {r['cpu']} with torch {r['torch']}:\n"
           f"  one rank: {a['ops']} ops in forward and backward, {1e3 * a['host_s']:.2f} ms at no tokens: "
           f"cpu_op_s = {1e6 * r['cpu_op_s']:.1f} us\n"
           f"  FSDP2 over 2 ranks: {s['ops']} ops and {s['collectives']} collectives, {1e3 * s['host_s']:.2f} ms: "
           f"cpu_fsdp_collective_s = {1e6 * r['cpu_fsdp_collective_s']:.0f} us\n"
           f"  its optimizer step: {s['tensors']} tensors in its ops, {1e3 * s['optimizer_s']:.2f} ms: "
-          f"cpu_optimizer_tensor_s = {1e6 * r['cpu_optimizer_tensor_s']:.2f} us", flush=True)
+          f"cpu_optimizer_tensor_s = {1e6 * r['cpu_optimizer_tensor_s']:.2f} us\n"
+          f"  every layer recomputed: {c['ops']} ops and {c['checkpoints']} checkpointed layers, "
+          f"{1e3 * c['host_s']:.2f} ms: cpu_recompute_layer_s = {1e6 * r['cpu_recompute_layer_s']:.0f} us", flush=True)

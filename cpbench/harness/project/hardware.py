@@ -33,6 +33,8 @@ EFFICIENCIES = {
     "attention_fa4_forward": "dense peak, for FlashAttention-4's forward (Hopper and Blackwell)",
     "attention_fa4_backward": "dense peak, for FlashAttention-4's backward",
     "memory": "HBM bandwidth, for element-wise ops, reductions and copies",
+    "memory_strided": "HBM bandwidth, for element-wise ops with a strided input or output (a view that is neither "
+                      "contiguous nor broadcast), which torch runs unvectorized (default: `memory`)",
     "intra_node": "the per-GPU link inside a node (NVLink), as NCCL's bus bandwidth",
     "inter_node": "the per-GPU network link across nodes (InfiniBand), as NCCL's bus bandwidth",
     "pcie": "the host link, for offload copies",
@@ -40,7 +42,8 @@ EFFICIENCIES = {
 }
 # Attention efficiencies are at causal, head dim 128, 16k tokens (efficiency.py takes other shapes from the kernels'
 # published curves). A kernel that does not run on a GPU has none there; pricing one of its calls says so.
-OPTIONAL = {"attention_fa3_forward", "attention_fa3_backward", "attention_fa4_forward", "attention_fa4_backward"}
+OPTIONAL = {"attention_fa3_forward", "attention_fa3_backward", "attention_fa4_forward", "attention_fa4_backward",
+            "memory_strided"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,6 +84,12 @@ class Hardware:
     # CUDA device (a profile of a CPU fitted by `cpbench calibrate`), or no cuDNN.
     capability: tuple | None = None
     cudnn_version: tuple | None = None
+    # host time a recomputed (activation-checkpointed) layer costs beyond the ops it dispatches: torch.utils.checkpoint's
+    # frames and saved-tensor hooks, once in the forward and again when the backward replays it (dispatch.py)
+    cpu_recompute_layer_s: float = 0.0
+    # an element-wise kernel's fixed ramp (its first wave's DRAM latency, its tail) as bytes: it moves `bytes +
+    # memory_half_bytes` at the efficient HBM bandwidth, so it reaches half that bandwidth at this size (elementwise.py)
+    memory_half_bytes: float = 0.0
 
     @property
     def cudnn_version_number(self) -> int | None:
@@ -126,9 +135,10 @@ _RATES = {"hbm_tb_s": 1e12, "nvlink_gb_s": 1e9, "network_gb_s": 1e9, "pcie_gb_s"
 _RATE_FIELDS = {"hbm_tb_s": "hbm_bytes_per_s", "nvlink_gb_s": "intra_node_bytes_per_s",
                 "network_gb_s": "inter_node_bytes_per_s", "pcie_gb_s": "pcie_bytes_per_s",
                 "host_gb_s": "host_bytes_per_s"}
-_SCALARS = ("kernel_s", "cpu_op_s", "cuda_launch_s", "cpu_fsdp_collective_s", "cpu_optimizer_tensor_s", "intra_node_latency_s", "inter_node_latency_s",
-            "nccl_sm_fraction")
-_HALF = {"intra_node_half_mib": "intra_node_half_bytes", "inter_node_half_mib": "inter_node_half_bytes"}
+_SCALARS = ("kernel_s", "cpu_op_s", "cuda_launch_s", "cpu_fsdp_collective_s", "cpu_optimizer_tensor_s",
+            "cpu_recompute_layer_s", "intra_node_latency_s", "inter_node_latency_s", "nccl_sm_fraction")
+_HALF = {"intra_node_half_mib": "intra_node_half_bytes", "inter_node_half_mib": "inter_node_half_bytes",
+         "memory_half_mib": "memory_half_bytes"}
 _DTYPES = {"bf16_tflops": "bfloat16", "fp16_tflops": "float16", "fp32_tflops": "float32",
            "bfloat16_tflops": "bfloat16", "float16_tflops": "float16", "float32_tflops": "float32"}
 

@@ -151,7 +151,7 @@ def project_rank(point: Point, rank: int, hardware=None, gpus_per_node: int = 8,
             first_state(model, optimizer)  # what step 0 leaves, untracked
             trace = (StepTrace(probe.host, gpus_per_node, attention_family=family)
                      if hardware is not None or keep_trace else None)
-            hooks = trace.optimizer_hooks(optimizer) if trace else []
+            hooks = trace.optimizer_hooks(optimizer) + trace.checkpoint_hooks(model) if trace else []
             comm = step.tracked_steps(point, model, optimizer, batch, probe, steps=1,  # fake steps are identical
                                       last=[trace] if trace else [])
             for h in hooks:

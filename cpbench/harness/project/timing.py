@@ -6,7 +6,8 @@ crosses (NVLink inside a node, the network across nodes) with the ring algorithm
 an offload copy its bytes over PCIe; an op of the optimizer step on the host its bytes over host memory.
 
 What overlaps what, as the code schedules it (trace.py names the streams):
-- the host dispatches ops one after another (`cpu_op_s` each) and runs ahead of the GPU until something syncs it;
+- the host dispatches ops one after another (`cpu_op_s` each, and `cpu_recompute_layer_s` for each layer that
+  activation checkpointing recomputes) and runs ahead of the GPU until something syncs it;
 - each stream runs its ops in order; an op starts when its stream is free, the host has issued it, and the buffers
   it reads are written (a kernel that reads an all-gathered weight or a received K/V block waits for that transfer);
 - NCCL's stream (ring send/receive, Ulysses all-to-all, all-reduce) and FSDP2's reduce-scatter also wait for the
@@ -69,7 +70,7 @@ def kernel_class(key: str) -> tuple[str, str]:
 
 
 def op_seconds(op: Op, hw: Hardware, dtype: str) -> float:
-    if op.kind == "sync":
+    if op.kind in ("sync", "checkpoint"):
         return 0.0
     if op.kind in ("h2d", "d2h"):
         return op.bytes / (hw.pcie_bytes_per_s * hw.efficiency["pcie"])
@@ -78,6 +79,9 @@ def op_seconds(op: Op, hw: Hardware, dtype: str) -> float:
     if op.stream == "host":
         return op.bytes / (hw.host_bytes_per_s * hw.efficiency["host"])
     memory = op.bytes / (hw.hbm_bytes_per_s * hw.efficiency["memory"])
+    if op.kind in ("memory", "copy_out"):  # an element-wise kernel: its ramp too, and a strided one unvectorized
+        eff = hw.efficiency.get("memory_strided", hw.efficiency["memory"]) if op.strided else hw.efficiency["memory"]
+        return max((op.bytes + hw.memory_half_bytes) / (hw.hbm_bytes_per_s * eff), hw.kernel_s)
     if op.kind == "gemm":
         return max(efficiency.gemm_seconds(op.flops, op.bytes, op.shape, hw, dtype), hw.kernel_s)
     if op.flops:
@@ -95,7 +99,10 @@ def op_seconds(op: Op, hw: Hardware, dtype: str) -> float:
 def host_seconds(op: Op, hw: Hardware) -> float:
     """The host's time to issue `op`: torch's dispatch of an op of the forward and backward, with FSDP2's hooks for
     an all-gather or reduce-scatter, or the optimizer step's ops by the tensors they take (dispatch.py measures
-    each), and the driver's launch of its kernel (`cuda_launch_s`)."""
+    each), and the driver's launch of its kernel (`cuda_launch_s`); a recomputed layer's checkpoint, what
+    torch.utils.checkpoint costs the host around it (`cpu_recompute_layer_s`, no kernel)."""
+    if op.kind == "checkpoint":
+        return hw.cpu_recompute_layer_s
     if op.phase == "optimizer":
         return hw.cpu_optimizer_tensor_s * op.tensors + hw.cuda_launch_s
     if op.stream in ("ag", "rs") and op.kind in COLLECTIVE_KINDS:
@@ -116,6 +123,9 @@ def simulate(ops: list[Op], hw: Hardware, dtype: str) -> dict:
     for op in ops:
         if op.kind == "sync":  # the host waits for the GPU
             clock["cpu"] = max(clock["cpu"], clock["compute"])
+            continue
+        if op.kind == "checkpoint":  # host work only: the GPU is not told of it
+            clock["cpu"] += host_seconds(op, hw)
             continue
         clock["cpu"] += host_seconds(op, hw)
         dur = op_seconds(op, hw, dtype)
@@ -155,17 +165,7 @@ def simulate(ops: list[Op], hw: Hardware, dtype: str) -> dict:
     end = max(clock[s] for s in ("compute", *COMM_STREAMS))
     out["comm_exposed_s"] += end - clock["compute"]  # the tail: the last reductions after the last kernel
     return {"step_s": end, **out, "comm_s": comm_s, "executed_flops": flops,
-            "attention_kernels": attention_kernels(ops, hw), "floor_s": floor_seconds(ops, hw, dtype),
-            "floor_memory_s": floor_memory_seconds(ops, hw)}
-
-
-def floor_memory_seconds(ops: list[Op], hw: Hardware) -> float:
-    """The element-wise work of the step at HBM speed with no kernel floor, FSDP2's copies left out: the same per
-    token at every cp size where no ring merges partial results (Ulysses, cp 1), so `cpbench plan` adds it to
-    `floor_seconds` there."""
-    rate = hw.hbm_bytes_per_s * hw.efficiency["memory"]
-    return sum(op.bytes for op in ops if op.phase == "step" and op.stream == "compute" and op.kind == "memory"
-               and not op.name.startswith("fsdp.")) / rate
+            "attention_kernels": attention_kernels(ops, hw), "floor_s": floor_seconds(ops, hw, dtype)}
 
 
 def floor_seconds(ops: list[Op], hw: Hardware, dtype: str) -> float:

@@ -34,7 +34,7 @@ from cpbench.harness.project import work
 class Op(NamedTuple):
     stream: str  # compute | ag | rs | nccl | host
     # gemm | attention[_cudnn|_efficient|_sdpa]_{forward,backward} | memory | copy_out | sync | a collective | h2d
-    # | d2h. `_sdpa`: the model called SDPA itself, which picks its kernel on the GPU (hardware.sdpa_kernel)
+    # | d2h | checkpoint (a recomputed layer: host work, no kernel). `_sdpa`: the model called SDPA itself, which picks its kernel on the GPU (hardware.sdpa_kernel)
     kind: str
     phase: str  # step | optimizer
     flops: float
@@ -48,6 +48,7 @@ class Op(NamedTuple):
     # keys, head dim, causal, batch x heads)
     shape: tuple = ()
     tensors: int = 1  # the tensors the op takes (a foreach op: its lists'): its host cost in the optimizer step
+    strided: bool = False  # an element-wise op reading or writing a strided view (timing.py: memory_strided)
 
 
 _FREE_PREFIXES = ("profiler.", "prim.", "fsdp.copy_")  # bookkeeping ops and queries: no kernel
@@ -103,8 +104,17 @@ class StepTrace(TorchDispatchMode):
         self._stream_of: dict[int, str] = {}  # buffer key -> the stream that wrote it last
         self._writer: dict[int, int] = {}  # buffer key -> the index in `ops` of the kernel that wrote it last
         self.ledger = ledger
+        self._entered = False
         if ledger is not None:
             ledger.listeners.append(self._moved)
+
+    def __enter__(self):
+        self._entered = True
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self._entered = False
+        return super().__exit__(*exc)
 
     def close(self) -> None:
         if self.ledger is not None and self._moved in self.ledger.listeners:
@@ -123,6 +133,21 @@ class StepTrace(TorchDispatchMode):
             self.phase = "step"
 
         return [optimizer.register_step_pre_hook(pre), optimizer.register_step_post_hook(post)]
+
+    def checkpoint_hooks(self, model: torch.nn.Module):
+        """Marks each layer activation checkpointing recomputes, once a step, at its forward: a `checkpoint` op, the
+        host's work around the layer beyond the ops it dispatches (torch.utils.checkpoint's frames and saved-tensor
+        hooks, the backward's replay), which the profile's `cpu_recompute_layer_s` prices. The layers are
+        transformers' own (a `GradientCheckpointingLayer` with `gradient_checkpointing` on checkpoints its forward
+        in training), so selective recompute marks only the layers it recomputes; the tiled MLP's and the chunked
+        loss's own checkpoints are not marked. Returns the hook handles."""
+        from cpbench.cp.hf_compat import recomputed_layers
+
+        def mark(module, _args):
+            if self._entered and module.gradient_checkpointing and module.training and torch.is_grad_enabled():
+                self.ops.append(Op("compute", "checkpoint", self.phase, 0.0, 0.0, (), (), name=type(module).__name__))
+
+        return [m.register_forward_pre_hook(mark) for m in recomputed_layers(model)]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if any(t is DTensor for t in types):
@@ -175,7 +200,7 @@ class StepTrace(TorchDispatchMode):
             self._onto_copy_in_stream(_tensors(args[0]))
         self.ops.append(Op(stream, kind, self.phase, float(flops), float(moved), reads, writes, name=name,
                            shape=shape + (work.tensor_bytes(outputs[0]),) if kind == "gemm" and outputs else shape,
-                           tensors=len(inputs)))
+                           tensors=len(inputs), strided=kind == "memory" and _strided(inputs + written)))
         for key in writes:
             self._stream_of[key] = stream
             self._writer[key] = len(self.ops) - 1
@@ -229,6 +254,16 @@ def _mutated(func, args, kwargs) -> list[torch.Tensor]:
         if a.alias_info is not None and a.alias_info.is_write:
             mutated += _tensors(kwargs[a.name] if kwargs and a.name in kwargs else args[i] if i < len(args) else None)
     return mutated
+
+
+def _strided(tensors: list[torch.Tensor]) -> bool:
+    """Whether an element-wise kernel reads or writes a strided view: one neither contiguous nor broadcast (a chunk or
+    slice along the last dim, a transpose). torch's CUDA element-wise loop vectorizes its loads only when the
+    iterator is contiguous (ATen/native/cuda/CUDALoops.cuh, gpu_kernel_impl: launch_vectorized_kernel, else
+    launch_legacy_kernel with offset calculators). A broadcast operand (a zero stride: a norm's weight, a row's
+    statistic) takes the legacy path too, but the published add + RMSNorm timings, whose multiplies broadcast, run at
+    the contiguous figure (elementwise.py), so it is not counted."""
+    return any(t.dim() > 1 and t.numel() > 1 and 0 not in t.stride() and not t.is_contiguous() for t in tensors)
 
 
 def _arg(func, args, kwargs, name: str):

@@ -1,0 +1,152 @@
+"""The element-wise kernels' HBM figures, `efficiency.memory` and `memory_half_mib`, from published timings of eager
+PyTorch modules on an H100 SXM, priced the way a projection prices a model's element-wise ops.
+
+A model's element-wise kernels (norms in fp32, activations, residual adds, rotary embeddings, the casts) do not
+stream at a large copy's speed: each kernel also pays a fixed ramp (its first wave's DRAM latency, its tail), which
+at the sizes of a short step (a few MB to a few hundred MB) is a large share of it, and their reductions and strided
+inputs read slower. The time model prices such a kernel as its bytes plus `memory_half_mib` over the efficient HBM
+bandwidth (half that bandwidth is reached at that size), never under a kernel's floor (`kernel_s`).
+
+The figures are fitted here, not to any end-to-end step: Liger-Kernel's benchmark data
+(github.com/linkedin/Liger-Kernel, benchmark/data/all_benchmark_data.csv at commit ead96b61, the rows kept in
+results/published/elementwise/liger_h100_eager.csv with their line numbers) times eager reference modules on an
+"NVIDIA H100 80GB HBM3" with triton's do_bench (CUDA events, the L2 cache cleared between runs): ReLU squared
+(`relu` then `square`, bf16, 4,096 rows), Megatron's SwiGLU reference (`silu` of one half of a chunked input times
+the other, bf16, 2,048 x 4 rows) and the naive add + RMSNorm (fp32, 2,048 rows), forward, at 6 to 8 sizes each (the "full" rows, forward and backward, are held out).
+Each module is rebuilt from its benchmark script's description, run on fake tensors of the row's shape under the
+same op trace a projection uses (trace.py), and priced op by op as timing.py prices them, back to back (the
+benchmark queues the kernels behind its cache-clearing memset, so it times the GPU alone). The fit minimises the
+squared log error of the predicted times.
+
+    python -m cpbench.harness.project.elementwise        # prints every row, the fit and its error
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from cpbench.harness.project.hardware import Hardware, builtin
+
+DATA = Path(__file__).resolve().parents[3] / "results" / "published" / "elementwise" / "liger_h100_eager.csv"
+PROFILE = "h100-sxm"  # the benchmark's GPU ("NVIDIA H100 80GB HBM3")
+
+
+# Each module: its inputs made, then (forward, backward) as its benchmark runs them in "forward" and "full" mode.
+def _relu_squared(row: dict, cfg: dict):
+    x = torch.randn(cfg["M"], int(row["x_value"]), dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn_like(x)  # made once, outside the timed function
+    return (lambda: torch.square(torch.relu(x))), (lambda y: y.backward(dy))
+
+
+def _swiglu(row: dict, cfg: dict):
+    y = torch.randn(cfg["S"], cfg["B"], 2 * int(row["x_value"]), dtype=torch.bfloat16, requires_grad=True)
+
+    def forward():
+        gate, up = torch.chunk(y, 2, -1)
+        return torch.nn.functional.silu(gate) * up
+    return forward, (lambda out: out.sum().backward())
+
+
+def _add_rms_norm(row: dict, cfg: dict, eps: float = 1e-6):
+    shape = (cfg["M"], int(row["x_value"]))
+    x, residual, dy, ds = (torch.randn(shape, dtype=torch.float32, requires_grad=i < 2) for i in range(4))
+    weight = torch.ones(shape[1], requires_grad=True)
+
+    def forward():  # returns the normed output and the new residual (the sum), as the naive module does
+        h = x + residual
+        return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)), h
+    return forward, (lambda out: torch.autograd.backward(out, (dy, ds)))
+
+
+MODULES = {"relu_squared": _relu_squared, "megatron_swiglu": _swiglu, "fused_add_rms_norm": _add_rms_norm}
+
+
+def rows(mode: str = "forward", path: Path = DATA) -> list[dict]:
+    """The published rows of one mode: "forward" (fitted) or "full", forward and backward (held out)."""
+    with open(path) as f:
+        return [r for r in csv.DictReader(f) if r["kernel_operation_mode"] == mode]
+
+
+def trace(row: dict) -> list:
+    """The ops a projection would price for the row's eager module (fake tensors, so any size is free)."""
+    from cpbench.harness.project.projection import fake_tensors
+    from cpbench.harness.project.trace import StepTrace
+
+    cfg = json.loads(row["extra_benchmark_config_str"])
+    with fake_tensors():
+        forward, backward = MODULES[row["kernel_name"]](row, cfg)
+        with StepTrace() as t:
+            out = forward()
+            if row["kernel_operation_mode"] == "full":
+                backward(out)
+    return t.ops
+
+
+def predicted(ops: list, hw: Hardware) -> float:
+    """The kernels back to back on one stream, the host ahead of them (as the benchmark times them): the sum of the
+    time model's price of each op (timing.op_seconds), which is what timing.simulate plays out for such a trace."""
+    from cpbench.harness.project.timing import op_seconds
+
+    return sum(op_seconds(o, hw, "bfloat16") for o in ops)
+
+
+def _log_error(traced: list[tuple[dict, list]], hw: Hardware) -> float:
+    return sum(math.log(predicted(ops, hw) / (float(r["y_value_50_ms"]) * 1e-3)) ** 2 for r, ops in traced)
+
+
+def fit(traced: list[tuple[dict, list]], hw: Hardware) -> dict:
+    """The figures minimising the squared log error, on a grid no finer than their data (1 % of efficiency, 1/4
+    MiB): `memory` and `memory_half_mib` over the rows whose kernels are all contiguous, then `memory_strided` (the
+    same ramp) over those with a strided kernel. Each with its RMS log error."""
+    def strided(ops):
+        return any(o.strided for o in ops)
+
+    plain, views = [t for t in traced if not strided(t[1])], [t for t in traced if strided(t[1])]
+    best = (math.inf, 0.0, 0.0)
+    for e in (x / 100 for x in range(30, 101)):
+        for half in (x / 4 for x in range(0, 161)):
+            err = _log_error(plain, dataclasses.replace(hw, memory_half_bytes=half * 2**20).with_efficiency(memory=e))
+            best = min(best, (err, e, half))
+    _, e, half = best
+    ramp = dataclasses.replace(hw, memory_half_bytes=half * 2**20).with_efficiency(memory=e)
+    err_s, e_s = min((_log_error(views, ramp.with_efficiency(memory_strided=x / 100)), x / 100) for x in range(30, 101))
+    return {"memory": e, "memory_half_mib": half, "memory_strided": e_s,
+            "rms_log_error": math.sqrt(best[0] / max(len(plain), 1)),
+            "rms_log_error_strided": math.sqrt(err_s / max(len(views), 1)), "rows": (len(plain), len(views))}
+
+
+def fitted_profile(hw: Hardware, figures: dict) -> Hardware:
+    return dataclasses.replace(hw, memory_half_bytes=figures["memory_half_mib"] * 2**20).with_efficiency(
+        memory=figures["memory"], memory_strided=figures["memory_strided"])
+
+
+def report(hw: Hardware | None = None) -> str:
+    hw = hw or builtin()[PROFILE]
+    traced = [(r, trace(r)) for r in rows()]
+    f = fit(traced, hw)
+    fitted = fitted_profile(hw, f)
+    lines = [f"fit over {f['rows'][0]} rows of contiguous kernels: efficiency.memory = {f['memory']:.2f}, "
+             f"memory_half_mib = {f['memory_half_mib']:g} (RMS log error {f['rms_log_error']:.3f}); over "
+             f"{f['rows'][1]} rows with a strided kernel: efficiency.memory_strided = {f['memory_strided']:.2f} "
+             f"(RMS log error {f['rms_log_error_strided']:.3f})",
+             "line  kernel               size    ops  MB moved  measured  fitted  shipped"]
+    held_out = [(r, trace(r)) for r in rows("full")]
+    for r, ops in traced + held_out:
+        if r is held_out[0][0]:
+            err = math.sqrt(_log_error(held_out, fitted) / len(held_out))
+            lines.append(f"held out, forward and backward (not fitted): RMS log error {err:.3f}")
+        moved = sum(o.bytes for o in ops) / 1e6
+        lines.append(f"{r['line']:>4}  {r['kernel_name']:<19} {r['x_value']:>6} {len(ops):>5} {moved:>9.1f} "
+                     f"{float(r['y_value_50_ms']) * 1e3:>7.1f}us {predicted(ops, fitted) * 1e6:>6.1f}us "
+                     f"{predicted(ops, hw) * 1e6:>6.1f}us")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(report(), flush=True)

@@ -1,0 +1,65 @@
+"""The element-wise kernels' figures (elementwise.py): the shipped H100 SXM profile holds what the fit to the published
+eager timings gives, the fit holds the rows it was not fitted on, and the trace tells a strided kernel from a
+contiguous or broadcast one as torch's CUDA loop does."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from cpbench.harness.project import elementwise
+from cpbench.harness.project.hardware import builtin
+from cpbench.harness.project.timing import op_seconds
+from cpbench.harness.project.trace import Op, StepTrace
+
+
+@pytest.fixture(scope="module")
+def fitted():
+    hw = builtin()[elementwise.PROFILE]
+    traced = [(r, elementwise.trace(r)) for r in elementwise.rows()]
+    return hw, elementwise.fit(traced, hw)
+
+
+def test_the_h100_profile_holds_the_figures_fitted_to_the_published_eager_timings(fitted):
+    hw, f = fitted
+    assert f["rows"] == (14, 6)
+    assert (hw.efficiency["memory"], hw.memory_half_bytes / 2**20, hw.efficiency["memory_strided"]) == \
+        (f["memory"], f["memory_half_mib"], f["memory_strided"])
+    assert f["rms_log_error"] < 0.1 and f["rms_log_error_strided"] < 0.05
+
+
+def test_the_fit_predicts_the_forward_and_backward_rows_it_was_not_fitted_on(fitted):
+    hw, f = fitted
+    held_out = [(r, elementwise.trace(r)) for r in elementwise.rows("full")]
+    assert len(held_out) == 20
+    ratios = [elementwise.predicted(ops, elementwise.fitted_profile(hw, f)) / (float(r["y_value_50_ms"]) * 1e-3)
+              for r, ops in held_out]
+    assert all(0.75 < x < 1.3 for x in ratios), ratios  # within the published medians' spread across sizes
+    no_ramp = dataclasses.replace(hw, memory_half_bytes=0.0).with_efficiency(memory=0.85, memory_strided=0.85)
+    old = [elementwise.predicted(ops, no_ramp) / (float(r["y_value_50_ms"]) * 1e-3) for r, ops in held_out]
+    assert sum(abs(x - 1) for x in ratios) < sum(abs(x - 1) for x in old) / 2  # what the figures replace
+
+
+def test_a_strided_view_is_told_from_a_contiguous_or_broadcast_operand():
+    y = torch.randn(4, 16)
+    w = torch.randn(8)
+    with StepTrace() as t:
+        gate, up = torch.chunk(y, 2, -1)
+        torch.nn.functional.silu(gate)  # a chunk along the last dim: strided
+        torch.relu(y)  # contiguous
+        y[:, :8].contiguous() * w  # the copy reads a strided slice; the multiply's broadcast weight is not strided
+        y.t() + 1  # a transpose: strided
+    assert [(o.name, o.strided) for o in t.ops] == [("aten.silu", True), ("aten.relu", False), ("aten.clone", True),
+                                                   ("aten.mul", False), ("aten.add", True)]
+
+
+def test_an_element_wise_kernel_pays_its_ramp_and_a_strided_one_its_own_efficiency():
+    hw = dataclasses.replace(builtin()["h100-sxm"], kernel_s=0.0, memory_half_bytes=1e6).with_efficiency(
+        memory=0.8, memory_strided=0.4)
+    op = Op("compute", "memory", "step", 0.0, 3e6, (), ())
+    assert op_seconds(op, hw, "bfloat16") == pytest.approx(4e6 / (hw.hbm_bytes_per_s * 0.8))
+    assert op_seconds(op._replace(strided=True), hw, "bfloat16") == pytest.approx(4e6 / (hw.hbm_bytes_per_s * 0.4))
+    without = dataclasses.replace(hw, efficiency={k: v for k, v in hw.efficiency.items() if k != "memory_strided"})
+    assert op_seconds(op._replace(strided=True), without, "bfloat16") == op_seconds(op, hw, "bfloat16")
