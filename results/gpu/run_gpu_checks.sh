@@ -8,6 +8,8 @@
 #      sm80+ GPU), FlashAttention-3 and FlashAttention-4 where their packages are installed, each tile kind against
 #      the exact kernel; what was skipped, and why (a package not installed: the pip install), is printed (-rs);
 #      -> results/gpu/gpu-tests.xml (JUnit: each test's outcome and time), and the console log beside it;
+#   1b. the element-wise kernels' figures on this GPU (results/gpu/elementwise_bench.py, then the fit of
+#      cpbench.harness.project.elementwise): -> results/gpu/elementwise.csv and elementwise.log;
 #   2. the Qwen3-0.6B reference suite (suites/qwen3-0.6b-long.toml: bf16, 16k and 32k tokens, cp 1 and 2, sdpa,
 #      flash_attention_2 and flash_attention_3, cp_ulysses and cp_ring), then its report;
 #      -> results/gpu/qwen3-0.6b-long/<run>/runs.parquet (+ report.md/html, plots), the environment in every row.
@@ -43,6 +45,11 @@ mkdir -p results/gpu
 tests=0
 timeout 240 "$PY" -m pytest -m gpu tests/gpu -q -rs -p no:cacheprovider --junitxml results/gpu/gpu-tests.xml \
     2>&1 | tee results/gpu/gpu-tests.log || tests=$?
+# the element-wise figures of this GPU: the eager modules the H100's were fitted to, timed here, then fitted (~1 min)
+timeout 90 "$PY" results/gpu/elementwise_bench.py results/gpu/elementwise.csv --reps 50 > results/gpu/elementwise.log 2>&1
+gpu=$("$PY" -c "from cpbench.harness.project.hardware import for_device; import torch
+h = for_device(torch.cuda.get_device_name(0)); print(h.name if h else 'h100-sxm')")
+"$PY" -m cpbench.harness.project.elementwise --data results/gpu/elementwise.csv --gpu "$gpu" 2>&1 | tee -a results/gpu/elementwise.log
 # 210 s for the sweep keeps the whole script within 8 minutes; finished points are kept if it is cut (--resume).
 sweep=0
 timeout 210 "$PY" -m cpbench sweep suites/qwen3-0.6b-long.toml --out results/gpu --no-progress "$@" || sweep=$?

@@ -63,3 +63,21 @@ def test_an_element_wise_kernel_pays_its_ramp_and_a_strided_one_its_own_efficien
     assert op_seconds(op._replace(strided=True), hw, "bfloat16") == pytest.approx(4e6 / (hw.hbm_bytes_per_s * 0.4))
     without = dataclasses.replace(hw, efficiency={k: v for k, v in hw.efficiency.items() if k != "memory_strided"})
     assert op_seconds(op._replace(strided=True), without, "bfloat16") == op_seconds(op, hw, "bfloat16")
+
+
+def test_the_gpu_bench_times_the_modules_and_writes_rows_the_fit_reads(tmp_path, monkeypatch):
+    # results/gpu/elementwise_bench.py on the CPU (its times say nothing of a GPU): the loop and the file it writes
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "results" / "gpu" / "elementwise_bench.py"
+    spec = importlib.util.spec_from_file_location("elementwise_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "rows.csv"
+    monkeypatch.setattr(sys, "argv", ["bench", str(out), "--device", "cpu", "--reps", "1", "--limit", "1"])
+    bench.main()
+    forward, full = elementwise.rows("forward", out), elementwise.rows("full", out)
+    assert [(r["kernel_name"], r["x_value"]) for r in forward + full] == [("relu_squared", "128")] * 2
+    assert all(float(r["y_value_50_ms"]) > 0 and r["gpu_name"] == "cpu" for r in forward + full)

@@ -19,6 +19,10 @@ benchmark queues the kernels behind its cache-clearing memset, so it times the G
 squared log error of the predicted times.
 
     python -m cpbench.harness.project.elementwise        # prints every row, the fit and its error
+
+On another GPU, `python results/gpu/elementwise_bench.py OUT.csv` times the same modules at the same sizes there
+(CUDA events, the L2 cache cleared before each run, as do_bench does) and writes rows of the same form; then
+`python -m cpbench.harness.project.elementwise --data OUT.csv --gpu h200` fits that GPU's figures.
 """
 
 from __future__ import annotations
@@ -37,11 +41,12 @@ DATA = Path(__file__).resolve().parents[3] / "results" / "published" / "elementw
 PROFILE = "h100-sxm"  # the benchmark's GPU ("NVIDIA H100 80GB HBM3")
 
 
-# Each module: its inputs made, then (forward, backward) as its benchmark runs them in "forward" and "full" mode.
+# Each module: its inputs made, then (forward, backward, the leaves whose gradients a benchmark clears between runs) as
+# its benchmark runs them in "forward" and "full" mode.
 def _relu_squared(row: dict, cfg: dict):
     x = torch.randn(cfg["M"], int(row["x_value"]), dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn_like(x)  # made once, outside the timed function
-    return (lambda: torch.square(torch.relu(x))), (lambda y: y.backward(dy))
+    return (lambda: torch.square(torch.relu(x))), (lambda y: y.backward(dy)), [x]
 
 
 def _swiglu(row: dict, cfg: dict):
@@ -50,7 +55,7 @@ def _swiglu(row: dict, cfg: dict):
     def forward():
         gate, up = torch.chunk(y, 2, -1)
         return torch.nn.functional.silu(gate) * up
-    return forward, (lambda out: out.sum().backward())
+    return forward, (lambda out: out.sum().backward()), [y]
 
 
 def _add_rms_norm(row: dict, cfg: dict, eps: float = 1e-6):
@@ -61,7 +66,7 @@ def _add_rms_norm(row: dict, cfg: dict, eps: float = 1e-6):
     def forward():  # returns the normed output and the new residual (the sum), as the naive module does
         h = x + residual
         return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)), h
-    return forward, (lambda out: torch.autograd.backward(out, (dy, ds)))
+    return forward, (lambda out: torch.autograd.backward(out, (dy, ds))), [x, residual, weight]
 
 
 MODULES = {"relu_squared": _relu_squared, "megatron_swiglu": _swiglu, "fused_add_rms_norm": _add_rms_norm}
@@ -80,7 +85,7 @@ def trace(row: dict) -> list:
 
     cfg = json.loads(row["extra_benchmark_config_str"])
     with fake_tensors():
-        forward, backward = MODULES[row["kernel_name"]](row, cfg)
+        forward, backward, _ = MODULES[row["kernel_name"]](row, cfg)
         with StepTrace() as t:
             out = forward()
             if row["kernel_operation_mode"] == "full":
@@ -126,9 +131,9 @@ def fitted_profile(hw: Hardware, figures: dict) -> Hardware:
         memory=figures["memory"], memory_strided=figures["memory_strided"])
 
 
-def report(hw: Hardware | None = None) -> str:
+def report(hw: Hardware | None = None, path: Path = DATA) -> str:
     hw = hw or builtin()[PROFILE]
-    traced = [(r, trace(r)) for r in rows()]
+    traced = [(r, trace(r)) for r in rows("forward", path)]
     f = fit(traced, hw)
     fitted = fitted_profile(hw, f)
     lines = [f"fit over {f['rows'][0]} rows of contiguous kernels: efficiency.memory = {f['memory']:.2f}, "
@@ -136,9 +141,9 @@ def report(hw: Hardware | None = None) -> str:
              f"{f['rows'][1]} rows with a strided kernel: efficiency.memory_strided = {f['memory_strided']:.2f} "
              f"(RMS log error {f['rms_log_error_strided']:.3f})",
              "line  kernel               size    ops  MB moved  measured  fitted  shipped"]
-    held_out = [(r, trace(r)) for r in rows("full")]
+    held_out = [(r, trace(r)) for r in rows("full", path)]
     for r, ops in traced + held_out:
-        if r is held_out[0][0]:
+        if held_out and r is held_out[0][0]:
             err = math.sqrt(_log_error(held_out, fitted) / len(held_out))
             lines.append(f"held out, forward and backward (not fitted): RMS log error {err:.3f}")
         moved = sum(o.bytes for o in ops) / 1e6
@@ -149,4 +154,12 @@ def report(hw: Hardware | None = None) -> str:
 
 
 if __name__ == "__main__":
-    print(report(), flush=True)
+    import argparse
+
+    from cpbench.harness.project.hardware import load
+
+    parser = argparse.ArgumentParser(description="Fit the element-wise kernels' HBM figures to eager timings.")
+    parser.add_argument("--data", default=str(DATA), help="rows as results/published/elementwise holds them")
+    parser.add_argument("--gpu", default=PROFILE, help="the profile of the GPU the rows were timed on")
+    args = parser.parse_args()
+    print(report(load(args.gpu), Path(args.data)), flush=True)
