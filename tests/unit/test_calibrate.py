@@ -46,3 +46,25 @@ def test_a_run_measured_on_another_gpu_is_refused_unless_asked():
         check_device({"NVIDIA A100-SXM4-80GB"}, h100)
     assert check_device({"NVIDIA A100-SXM4-80GB"}, h100, any_device=True) is None
     assert "AMD EPYC" in check_device({"AMD EPYC"}, a100)
+
+
+def test_a_runs_gpus_per_node_decide_which_collectives_cross_nodes(tmp_path, monkeypatch):
+    # --gpus-per-node, else the GPUs the run saw on its node (device_count), else its world size: never a fixed 8
+    import cpbench.harness.project.projection as projection
+
+    table = store.read_table(BASELINE)
+    df = table.to_pandas()
+    keep = (df["point_id"] == "tiny-qwen3/s512/cp2/sdpa/cp_ulysses").to_numpy()
+    store.write_table(tmp_path / "one", table.filter(keep))
+    seen = []
+
+    def project_rank(point, rank, gpus_per_node=8, keep_trace=False):
+        seen.append(gpus_per_node)
+        return {"trace": []}
+
+    monkeypatch.setattr(projection, "project_rank", project_rank)
+    samples_of_run(tmp_path / "one")
+    ranks = len(seen)
+    samples_of_run(tmp_path / "one", gpus_per_node=1)
+    assert set(seen[:ranks]) == {2}  # a CPU run saw no GPUs: one machine of its world size
+    assert set(seen[ranks:]) == {1} and len(seen) == 2 * ranks
