@@ -125,14 +125,16 @@ def test_a_search_ranks_the_same_best_with_and_without_pruning(tmp_path):
 
 @pytest.mark.heavy
 def test_pruning_skips_what_cannot_win_and_never_changes_the_best(tmp_path):
-    # Qwen3-0.6B's widths (2 layers) at 8k on 2 GPUs: eager attention's cp 2 floor (its scores through HBM) is far
-    # below SDPA's tokens/s, so its cp 1 is not projected; the best is the same as with every configuration projected
-    search = dict(model="qwen3-0.6b", seq=8192, gpus=2, styles=("cp_ulysses", "cp_ring_zigzag"),
-                  attn=("sdpa", "eager"), overrides={"num_hidden_layers": 2})
+    # Qwen3-0.6B's widths (2 layers) at 128k on 4 GPUs, attention-bound: FlashAttention-2's cp 4 floor (its GEMMs and
+    # attention at their best efficiencies) is under SDPA's (cuDNN's) tokens/s, so its smaller cps are not projected;
+    # the best is the same as with every configuration projected, and with two projections at a time
+    search = dict(model="qwen3-0.6b", seq=131072, gpus=4, styles=("cp_ulysses",), attn=("sdpa", "flash_attention_2"),
+                  overrides={"num_hidden_layers": 2, "max_position_embeddings": 131072})
     pruned_best, pruned_rows, pruned = _best_and_pruned(tmp_path, True, **search)
     full_best, full_rows, _ = _best_and_pruned(tmp_path, False, **search)
     assert pruned_best == full_best and pruned_rows < full_rows
-    assert any(p.startswith("cp_ulysses/eager cp <= 1") for p in pruned)
+    assert any(p.startswith("cp_ulysses/flash_attention_2 cp <= 2") for p in pruned)
+    assert _best_and_pruned(tmp_path, True, jobs=2, **search)[::2] == (pruned_best, pruned)
 
 
 def test_calibrate_fits_a_measured_run_and_estimate_prices_with_the_written_profile(tmp_path, capsys):
