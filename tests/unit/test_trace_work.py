@@ -104,6 +104,15 @@ def test_what_an_op_writes_in_place_is_written_even_when_it_returns_nothing():
     assert trace.ops[0].writes == trace.ops[0].reads  # what reads `a` next waits for this op
 
 
+def test_a_gather_reads_the_rows_it_picks_not_its_whole_table():
+    table, ids = torch.ones(1000, 8), torch.tensor([3, 3, 7])  # 32,000 bytes of table, 3 rows of 32 picked
+    rows = 3 * 8 * 4
+    assert _bytes_of(lambda: torch.nn.functional.embedding(ids, table)) == rows + ids.numel() * 8 + rows
+    assert _bytes_of(lambda: table.index_select(0, ids)) == rows + ids.numel() * 8 + rows
+    small, again = torch.ones(2, 8), ids.clamp(max=1)  # picking more rows than its source has reads it once
+    assert _bytes_of(lambda: small.index_select(0, again)) == 2 * 8 * 4 + 24 + rows
+
+
 def test_a_host_scalar_read_in_the_optimizer_step_is_not_a_device_sync():
     model = torch.nn.Linear(4, 4)
     optimizer = torch.optim.AdamW(model.parameters(), foreach=True)

@@ -72,6 +72,11 @@ WRITE_ONLY = {"aten.copy_", "aten.fill_", "aten.zero_", "aten._foreach_copy_", "
               "aten.uniform_", "aten.random_", "aten.bernoulli_", "aten.exponential_", "aten.set_"}
 
 
+# Gathers: the argument they pick from is read only where they pick (an embedding of a 151,936-row table for 8k tokens
+# reads 8k rows, not the table): it counts at the output's size
+GATHER = {"aten.embedding": 0, "aten.index_select": 0, "aten.gather": 0}
+
+
 def tensor_bytes(t: torch.Tensor) -> int:
     """The bytes a kernel touches reading or writing `t`: a stride-0 (expanded) dimension is one element wide."""
     return math.prod(s for s, st in zip(t.shape, t.stride()) if st != 0) * t.element_size() if t.numel() else 0
@@ -83,9 +88,14 @@ def moved_bytes(name: str, args, kwargs, inputs: list, outputs: list) -> int:
     skip = {id(t) for t in _flat((kwargs or {}).get("out"))}
     if name in WRITE_ONLY and args:
         skip |= {id(t) for t in _flat(args[0])}
+    picked = 0
+    if name in GATHER and len(args) > GATHER[name] and isinstance(args[GATHER[name]], torch.Tensor) and outputs:
+        source = args[GATHER[name]]
+        skip.add(id(source))
+        picked = min(tensor_bytes(source), outputs[0].numel() * source.element_size())
     read = {id(t): t for t in inputs if id(t) not in skip}
     written = {id(t): t for t in outputs}
-    return sum(map(tensor_bytes, read.values())) + sum(map(tensor_bytes, written.values()))
+    return picked + sum(map(tensor_bytes, read.values())) + sum(map(tensor_bytes, written.values()))
 
 
 def _flat(x) -> list:
