@@ -273,7 +273,6 @@ inter_node_latency_s = 5e-5
 sms = 1
 intra_node_half_mib = 0
 inter_node_half_mib = 0
-memory_half_mib = 0
 nccl_sm_fraction = 0.0
 [cpu-core.efficiency]
 gemm = 0.5
@@ -332,3 +331,16 @@ def test_a_recomputed_layer_costs_the_host_its_checkpoint_and_the_gpu_nothing():
     assert marked["step_s"] == pytest.approx(plain["step_s"] + 1e-3)
     assert marked["overhead_s"] == pytest.approx(plain["overhead_s"] + 1e-3)  # the GPU waits for the host
     assert marked["compute_s"] == plain["compute_s"]
+
+
+def test_a_profile_written_before_the_recompute_and_ramp_figures_loads_and_a_negative_time_is_refused(tmp_path):
+    # a file `cpbench calibrate` wrote before cpu_recompute_layer_s and memory_ramp_s: what the model assumed then (0)
+    old = tmp_path / "old.toml"
+    old.write_text(CPU_CORE.replace("cpu_recompute_layer_s = 0.0\n", ""))
+    hw = hardware.load(str(old))
+    assert (hw.cpu_recompute_layer_s, hw.memory_ramp_s) == (0.0, 0.0)
+    assert "memory_ramp_s" in hw.to_toml() and hardware.load(str(old)) == hw
+    bad = tmp_path / "bad.toml"
+    bad.write_text(CPU_CORE.replace("cpu_recompute_layer_s = 0.0\n", "cpu_recompute_layer_s = -1e-3\n"))
+    with pytest.raises(ValueError, match=r"cpu_recompute_layer_s = -0.001: give a time of 0 or more"):
+        hardware.load(str(bad))

@@ -182,7 +182,8 @@ def _projected_trace(extra: str) -> list:
     from cpbench.harness.suite.spec import load_suite
 
     text = ('name = "t"\nmodel = "tiny-llama"\nseq_lens = [64]\ncp_sizes = [1]\nworld_size = 1\ndtype = "bfloat16"\n'
-            'device = "cuda"\nwarmup_steps = 1\nmeasured_steps = 1\nmodel_overrides = {num_hidden_layers = 4}\n' + extra)
+            'device = "cuda"\nwarmup_steps = 1\nmeasured_steps = 1\nmodel_overrides = {num_hidden_layers = 4}\n'
+            + extra)
     return project_rank(load_suite("t.toml", text=text).points()[0], 0, keep_trace=True)["trace"]
 
 
@@ -193,8 +194,9 @@ def test_each_layer_that_recompute_checkpoints_is_marked_once_a_step():
         ops = _projected_trace(extra)
         return [o for o in ops if o.kind == "checkpoint"], sum(o.kind == "memory" for o in ops)
 
-    (none, plain), (every, replayed), (half, _) = (marks(""), marks("activation_checkpointing = true\n"),
-                                                   marks("activation_checkpointing = true\nrecompute_every_n_layers = 2\n"))
+    recompute = "activation_checkpointing = true\n"
+    (none, plain), (every, replayed), (half, _) = (marks(""), marks(recompute),
+                                                   marks(recompute + "recompute_every_n_layers = 2\n"))
     assert none == [] and len(every) == 4 and len(half) == 2
     assert {o.name for o in every} == {"LlamaDecoderLayer"} and all(o.bytes == o.flops == 0 for o in every)
     assert replayed > plain  # the replayed forward's own ops are traced (and priced) as ops

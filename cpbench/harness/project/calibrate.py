@@ -63,7 +63,7 @@ def _get(hw: Hardware, name: str) -> float:
     if not name.startswith("efficiency."):
         return getattr(hw, name)
     key = name.split(".", 1)[1]
-    return hw.efficiency.get(key, hw.efficiency["memory"]) if key == "memory_strided" else hw.efficiency[key]
+    return hw.memory_efficiency(strided=True) if key == "memory_strided" else hw.efficiency[key]
 
 
 def _set(hw: Hardware, name: str, value: float) -> Hardware:

@@ -1,18 +1,21 @@
-"""The element-wise kernels' HBM figures, `efficiency.memory` and `memory_half_mib`, from published timings of eager
-PyTorch modules on an H100 SXM, priced the way a projection prices a model's element-wise ops.
+"""The element-wise kernels' HBM figures, `efficiency.memory`, `efficiency.memory_strided` and `memory_ramp_s`, from
+published timings of eager PyTorch modules on an H100 SXM, priced the way a projection prices a model's element-wise
+ops.
 
 A model's element-wise kernels (norms in fp32, activations, residual adds, rotary embeddings, the casts) do not
-stream at a large copy's speed: each kernel also pays a fixed ramp (its first wave's DRAM latency, its tail), which
-at the sizes of a short step (a few MB to a few hundred MB) is a large share of it, and their reductions and strided
-inputs read slower. The time model prices such a kernel as its bytes plus `memory_half_mib` over the efficient HBM
-bandwidth (half that bandwidth is reached at that size), never under a kernel's floor (`kernel_s`).
+stream at a large copy's speed: each kernel also pays a fixed time (its first wave's DRAM latency, its tail), which at
+the sizes of a short step (a few MB to a few hundred MB) is a large share of it, and a kernel torch cannot vectorize
+(a strided view: trace.py) reads slower. The time model prices such a kernel as its bytes over the efficient HBM
+bandwidth plus `memory_ramp_s`, never under a kernel's floor (`kernel_s`). The ramp is a time, not a size: other GPUs,
+whose element-wise kernels no data here times, keep it as a time.
 
 The figures are fitted here, not to any end-to-end step: Liger-Kernel's benchmark data
 (github.com/linkedin/Liger-Kernel, benchmark/data/all_benchmark_data.csv at commit ead96b61, the rows kept in
 results/published/elementwise/liger_h100_eager.csv with their line numbers) times eager reference modules on an
 "NVIDIA H100 80GB HBM3" with triton's do_bench (CUDA events, the L2 cache cleared between runs): ReLU squared
 (`relu` then `square`, bf16, 4,096 rows), Megatron's SwiGLU reference (`silu` of one half of a chunked input times
-the other, bf16, 2,048 x 4 rows) and the naive add + RMSNorm (fp32, 2,048 rows), forward, at 6 to 8 sizes each (the "full" rows, forward and backward, are held out).
+the other, bf16, 2,048 x 4 rows) and the naive add + RMSNorm (fp32, 2,048 rows), forward, at 6 to 8 sizes each
+(the "full" rows, forward and backward, are held out).
 Each module is rebuilt from its benchmark script's description, run on fake tensors of the row's shape under the
 same op trace a projection uses (trace.py), and priced op by op as timing.py prices them, back to back (the
 benchmark queues the kernels behind its cache-clearing memset, so it times the GPU alone). The fit minimises the
@@ -106,28 +109,31 @@ def _log_error(traced: list[tuple[dict, list]], hw: Hardware) -> float:
 
 
 def fit(traced: list[tuple[dict, list]], hw: Hardware) -> dict:
-    """The figures minimising the squared log error, on a grid no finer than their data (1 % of efficiency, 1/4
-    MiB): `memory` and `memory_half_mib` over the rows whose kernels are all contiguous, then `memory_strided` (the
-    same ramp) over those with a strided kernel. Each with its RMS log error."""
+    """The figures minimising the squared log error, on a grid no finer than their data (1 % of efficiency, 0.1 us):
+    `memory` and `memory_ramp_s` over the rows whose kernels are all contiguous, then `memory_strided` (the same
+    ramp) over those with a strided kernel. Each with its RMS log error; a figure at the grid's edge says so."""
     def strided(ops):
         return any(o.strided for o in ops)
 
     plain, views = [t for t in traced if not strided(t[1])], [t for t in traced if strided(t[1])]
+    efficiencies, ramps = [x / 100 for x in range(20, 101)], [round(x * 1e-7, 12) for x in range(0, 201)]
     best = (math.inf, 0.0, 0.0)
-    for e in (x / 100 for x in range(30, 101)):
-        for half in (x / 4 for x in range(0, 161)):
-            err = _log_error(plain, dataclasses.replace(hw, memory_half_bytes=half * 2**20).with_efficiency(memory=e))
-            best = min(best, (err, e, half))
-    _, e, half = best
-    ramp = dataclasses.replace(hw, memory_half_bytes=half * 2**20).with_efficiency(memory=e)
-    err_s, e_s = min((_log_error(views, ramp.with_efficiency(memory_strided=x / 100)), x / 100) for x in range(30, 101))
-    return {"memory": e, "memory_half_mib": half, "memory_strided": e_s,
+    for e in efficiencies:
+        for ramp in ramps:
+            err = _log_error(plain, dataclasses.replace(hw, memory_ramp_s=ramp).with_efficiency(memory=e))
+            best = min(best, (err, e, ramp))
+    _, e, ramp = best
+    at = dataclasses.replace(hw, memory_ramp_s=ramp).with_efficiency(memory=e)
+    err_s, e_s = min((_log_error(views, at.with_efficiency(memory_strided=x)), x) for x in efficiencies)
+    edges = [name for name, v, grid in (("memory", e, efficiencies), ("memory_ramp_s", ramp, ramps),
+                                        ("memory_strided", e_s, efficiencies)) if v in (grid[0], grid[-1])]
+    return {"memory": e, "memory_ramp_s": ramp, "memory_strided": e_s, "at_grid_edge": edges,
             "rms_log_error": math.sqrt(best[0] / max(len(plain), 1)),
             "rms_log_error_strided": math.sqrt(err_s / max(len(views), 1)), "rows": (len(plain), len(views))}
 
 
 def fitted_profile(hw: Hardware, figures: dict) -> Hardware:
-    return dataclasses.replace(hw, memory_half_bytes=figures["memory_half_mib"] * 2**20).with_efficiency(
+    return dataclasses.replace(hw, memory_ramp_s=figures["memory_ramp_s"]).with_efficiency(
         memory=figures["memory"], memory_strided=figures["memory_strided"])
 
 
@@ -137,9 +143,11 @@ def report(hw: Hardware | None = None, path: Path = DATA) -> str:
     f = fit(traced, hw)
     fitted = fitted_profile(hw, f)
     lines = [f"fit over {f['rows'][0]} rows of contiguous kernels: efficiency.memory = {f['memory']:.2f}, "
-             f"memory_half_mib = {f['memory_half_mib']:g} (RMS log error {f['rms_log_error']:.3f}); over "
+             f"memory_ramp_s = {f['memory_ramp_s'] * 1e6:.1f} us (RMS log error {f['rms_log_error']:.3f}); over "
              f"{f['rows'][1]} rows with a strided kernel: efficiency.memory_strided = {f['memory_strided']:.2f} "
              f"(RMS log error {f['rms_log_error_strided']:.3f})",
+             *([f"at the edge of the fit's grid (not a figure to trust): {', '.join(f['at_grid_edge'])}"]
+               if f["at_grid_edge"] else []),
              "line  kernel               size    ops  MB moved  measured  fitted  shipped"]
     held_out = [(r, trace(r)) for r in rows("full", path)]
     for r, ops in traced + held_out:

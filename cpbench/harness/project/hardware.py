@@ -84,12 +84,18 @@ class Hardware:
     # CUDA device (a profile of a CPU fitted by `cpbench calibrate`), or no cuDNN.
     capability: tuple | None = None
     cudnn_version: tuple | None = None
-    # host time a recomputed (activation-checkpointed) layer costs beyond the ops it dispatches: torch.utils.checkpoint's
-    # frames and saved-tensor hooks, once in the forward and again when the backward replays it (dispatch.py)
+    # host time a recomputed (activation-checkpointed) layer costs beyond the ops it dispatches:
+    # torch.utils.checkpoint's frames and saved-tensor hooks, in the forward and in the backward's replay (dispatch.py)
     cpu_recompute_layer_s: float = 0.0
-    # an element-wise kernel's fixed ramp (its first wave's DRAM latency, its tail) as bytes: it moves `bytes +
-    # memory_half_bytes` at the efficient HBM bandwidth, so it reaches half that bandwidth at this size (elementwise.py)
-    memory_half_bytes: float = 0.0
+    # an element-wise kernel's fixed time beyond its bytes at the efficient HBM bandwidth: its first wave's DRAM
+    # latency and its tail, a time that does not shrink with a faster memory (elementwise.py)
+    memory_ramp_s: float = 0.0
+
+    def memory_efficiency(self, strided: bool = False) -> float:
+        """An element-wise kernel's fraction of the HBM peak; a strided one's (`memory_strided`), where the profile
+        gives it, else the same."""
+        memory = self.efficiency["memory"]
+        return self.efficiency.get("memory_strided", memory) if strided else memory
 
     @property
     def cudnn_version_number(self) -> int | None:
@@ -136,9 +142,11 @@ _RATE_FIELDS = {"hbm_tb_s": "hbm_bytes_per_s", "nvlink_gb_s": "intra_node_bytes_
                 "network_gb_s": "inter_node_bytes_per_s", "pcie_gb_s": "pcie_bytes_per_s",
                 "host_gb_s": "host_bytes_per_s"}
 _SCALARS = ("kernel_s", "cpu_op_s", "cuda_launch_s", "cpu_fsdp_collective_s", "cpu_optimizer_tensor_s",
-            "cpu_recompute_layer_s", "intra_node_latency_s", "inter_node_latency_s", "nccl_sm_fraction")
-_HALF = {"intra_node_half_mib": "intra_node_half_bytes", "inter_node_half_mib": "inter_node_half_bytes",
-         "memory_half_mib": "memory_half_bytes"}
+            "cpu_recompute_layer_s", "memory_ramp_s", "intra_node_latency_s", "inter_node_latency_s",
+            "nccl_sm_fraction")
+# Figures later stages added, which a profile file written before them lacks: 0, what the model then assumed
+_SCALARS_SINCE = ("cpu_recompute_layer_s", "memory_ramp_s")
+_HALF = {"intra_node_half_mib": "intra_node_half_bytes", "inter_node_half_mib": "inter_node_half_bytes"}
 _DTYPES = {"bf16_tflops": "bfloat16", "fp16_tflops": "float16", "fp32_tflops": "float32",
            "bfloat16_tflops": "bfloat16", "float16_tflops": "float16", "float32_tflops": "float32"}
 
@@ -148,7 +156,8 @@ def _q(text: str) -> str:
 
 
 def _parse(name: str, table: dict, defaults: dict, origin: str) -> Hardware:
-    merged = {**defaults, **{k: v for k, v in table.items() if not isinstance(v, dict)}}
+    merged = {**dict.fromkeys(_SCALARS_SINCE, 0.0), **defaults,
+              **{k: v for k, v in table.items() if not isinstance(v, dict)}}
     efficiency = {**defaults.get("efficiency", {}), **table.get("efficiency", {})}
     sources = {**defaults.get("sources", {}), **table.get("sources", {})}
     where = f"GPU profile {name!r} ({origin})"
@@ -168,6 +177,9 @@ def _parse(name: str, table: dict, defaults: dict, origin: str) -> Hardware:
                                   and all(isinstance(v, int) and v > 0 for v in shape)):
         raise ValueError(f"{where}: gemm_best_shape = {shape!r}: give the [m, n, k] the gemm efficiency was measured "
                          "at, e.g. [2048, 2048, 13312].")
+    negative = [k for k in _SCALARS if float(merged[k]) < 0]
+    if negative:
+        raise ValueError(f"{where}: {', '.join(f'{k} = {merged[k]}' for k in negative)}: give a time of 0 or more.")
     if not 0 <= float(merged["nccl_sm_fraction"]) < 1:
         raise ValueError(f"{where}: nccl_sm_fraction = {merged['nccl_sm_fraction']}: give the share of the SMs NCCL "
                          "takes, in [0, 1).")

@@ -80,8 +80,7 @@ def op_seconds(op: Op, hw: Hardware, dtype: str) -> float:
         return op.bytes / (hw.host_bytes_per_s * hw.efficiency["host"])
     memory = op.bytes / (hw.hbm_bytes_per_s * hw.efficiency["memory"])
     if op.kind in ("memory", "copy_out"):  # an element-wise kernel: its ramp too, and a strided one unvectorized
-        eff = hw.efficiency.get("memory_strided", hw.efficiency["memory"]) if op.strided else hw.efficiency["memory"]
-        return max((op.bytes + hw.memory_half_bytes) / (hw.hbm_bytes_per_s * eff), hw.kernel_s)
+        return max(op.bytes / (hw.hbm_bytes_per_s * hw.memory_efficiency(op.strided)) + hw.memory_ramp_s, hw.kernel_s)
     if op.kind == "gemm":
         return max(efficiency.gemm_seconds(op.flops, op.bytes, op.shape, hw, dtype), hw.kernel_s)
     if op.flops:

@@ -34,7 +34,8 @@ from cpbench.harness.project import work
 class Op(NamedTuple):
     stream: str  # compute | ag | rs | nccl | host
     # gemm | attention[_cudnn|_efficient|_sdpa]_{forward,backward} | memory | copy_out | sync | a collective | h2d
-    # | d2h | checkpoint (a recomputed layer: host work, no kernel). `_sdpa`: the model called SDPA itself, which picks its kernel on the GPU (hardware.sdpa_kernel)
+    # | d2h | checkpoint (a recomputed layer: host work, no kernel). `_sdpa`: the model called SDPA itself, which
+    # picks its kernel on the GPU (hardware.sdpa_kernel)
     kind: str
     phase: str  # step | optimizer
     flops: float
@@ -200,7 +201,7 @@ class StepTrace(TorchDispatchMode):
             self._onto_copy_in_stream(_tensors(args[0]))
         self.ops.append(Op(stream, kind, self.phase, float(flops), float(moved), reads, writes, name=name,
                            shape=shape + (work.tensor_bytes(outputs[0]),) if kind == "gemm" and outputs else shape,
-                           tensors=len(inputs), strided=kind == "memory" and _strided(inputs + written)))
+                           tensors=len(inputs), strided=kind == "memory" and _strided(inputs, written)))
         for key in writes:
             self._stream_of[key] = stream
             self._writer[key] = len(self.ops) - 1
@@ -256,14 +257,31 @@ def _mutated(func, args, kwargs) -> list[torch.Tensor]:
     return mutated
 
 
-def _strided(tensors: list[torch.Tensor]) -> bool:
-    """Whether an element-wise kernel reads or writes a strided view: one neither contiguous nor broadcast (a chunk or
-    slice along the last dim, a transpose). torch's CUDA element-wise loop vectorizes its loads only when the
+def _strided(inputs: list[torch.Tensor], written: list[torch.Tensor]) -> bool:
+    """Whether an element-wise kernel runs unvectorized. torch's CUDA loop vectorizes its loads only when the
     iterator is contiguous (ATen/native/cuda/CUDALoops.cuh, gpu_kernel_impl: launch_vectorized_kernel, else
-    launch_legacy_kernel with offset calculators). A broadcast operand (a zero stride: a norm's weight, a row's
-    statistic) takes the legacy path too, but the published add + RMSNorm timings, whose multiplies broadcast, run at
-    the contiguous figure (elementwise.py), so it is not counted."""
-    return any(t.dim() > 1 and t.numel() > 1 and 0 not in t.stride() and not t.is_contiguous() for t in tensors)
+    launch_legacy_kernel with offset calculators), after TensorIterator has ordered the dims by the operands' memory
+    layout, so a transposed tensor whose result is laid out alike runs vectorized. It does not where an operand is a
+    view with gaps (a chunk or slice along an inner dim: not non-overlapping and dense) or is laid out in another
+    order than the result (a transpose copied contiguous). A broadcast operand (a zero stride, or a smaller shape: a
+    norm's weight, a row's statistic) is left out: the published add + RMSNorm timings, whose multiplies broadcast,
+    run at the contiguous figure (elementwise.py)."""
+    def order(t):  # the dims from outermost to innermost in memory, size-1 dims left out
+        return tuple(sorted((d for d in range(t.dim()) if t.shape[d] > 1), key=lambda d: -t.stride(d)))
+
+    def dense(t):  # its elements fill one block of memory, in some order of its dims
+        step = 1
+        for d in reversed(order(t)):
+            if t.stride(d) != step:
+                return False
+            step *= t.shape[d]
+        return True
+
+    full = [t for t in inputs + written if t.dim() > 0 and t.numel() > 1 and 0 not in t.stride()]
+    if not all(dense(t) for t in full):
+        return True
+    out = written[0] if written else None
+    return out is not None and any(t.shape == out.shape and order(t) != order(out) for t in full)
 
 
 def _arg(func, args, kwargs, name: str):
