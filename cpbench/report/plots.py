@@ -230,7 +230,7 @@ def parity_figure(frame: pd.DataFrame) -> Figure:
 def fit_figure(frame: pd.DataFrame) -> Figure:
     """The largest sequence length that finished ok, per configuration."""
     fits = largest_fit(frame)
-    fig = Figure(figsize=(8, min(0.5 * len(fits) + 2, 40)), layout="constrained")
+    fig = Figure(figsize=(8, min(0.5 * len(fits) + 2, MAX_INCHES)), layout="constrained")
     ax = fig.add_subplot()
     if fits.empty or fits["largest_ok_seq_len"].isna().all():
         empty(ax, "no point finished ok")

@@ -46,14 +46,25 @@ tests=0
 timeout 240 "$PY" -m pytest -m gpu tests/gpu -q -rs -p no:cacheprovider --junitxml results/gpu/gpu-tests.xml \
     2>&1 | tee results/gpu/gpu-tests.log || tests=$?
 # the element-wise figures of this GPU: the eager modules the H100's were fitted to, timed here, then fitted (~1 min)
-timeout 90 "$PY" results/gpu/elementwise_bench.py results/gpu/elementwise.csv --reps 50 > results/gpu/elementwise.log 2>&1
+bench=0
+timeout 90 "$PY" results/gpu/elementwise_bench.py results/gpu/elementwise.csv --reps 50 > results/gpu/elementwise.log 2>&1 \
+    || bench=$?
 gpu=$("$PY" -c "from cpbench.harness.project.hardware import for_device; import torch
-h = for_device(torch.cuda.get_device_name(0)); print(h.name if h else 'h100-sxm')")
-"$PY" -m cpbench.harness.project.elementwise --data results/gpu/elementwise.csv --gpu "$gpu" 2>&1 | tee -a results/gpu/elementwise.log
+h = for_device(torch.cuda.get_device_name(0)); print(h.name if h else '')")
+if [ "$bench" -ne 0 ]; then
+  echo "elementwise_bench failed or timed out (exit $bench): no fit on partial rows (results/gpu/elementwise.log)"
+elif [ -z "$gpu" ]; then
+  echo "no shipped profile names this GPU: fit results/gpu/elementwise.csv with --gpu on a profile of it" \
+    | tee -a results/gpu/elementwise.log
+else
+  "$PY" -m cpbench.harness.project.elementwise --data results/gpu/elementwise.csv --gpu "$gpu" 2>&1 \
+    | tee -a results/gpu/elementwise.log
+fi
 # 210 s for the sweep keeps the whole script within 8 minutes; finished points are kept if it is cut (--resume).
 sweep=0
 timeout 210 "$PY" -m cpbench sweep suites/qwen3-0.6b-long.toml --out results/gpu --no-progress "$@" || sweep=$?
 run=$(ls -d results/gpu/qwen3-0.6b-long/2* 2>/dev/null | tail -1)
 if [ -n "$run" ]; then "$PY" -m cpbench report "$run"; fi
 if [ "$tests" -ne 0 ]; then exit "$tests"; fi
+if [ "$bench" -ne 0 ]; then exit "$bench"; fi
 exit "$sweep"

@@ -127,4 +127,5 @@ def test_the_dispatch_measurement_separates_the_host_from_the_kernels():
     assert r["sharded"]["collectives"] > 0 and r["alone"]["ops"] > 100
     # every layer recomputed: each marked once, and its replayed ops counted as ops
     assert r["recomputed"]["checkpoints"] == 2 and r["recomputed"]["ops"] > r["alone"]["ops"]
-    assert abs(r["cpu_recompute_layer_s"]) < 0.1  # its value: the full measurement (16 layers), not 2 layers
+    # at the same length the recomputed step does all the plain one does and replays its layers: it takes longer
+    assert all(c["step_s"] > a["step_s"] for c, a in zip(r["recomputed"]["runs"], r["alone"]["runs"]))

@@ -2,11 +2,11 @@
 `cpu_fsdp_collective_s`, `cpu_optimizer_tensor_s` and `cpu_recompute_layer_s`.
 
 An eager step costs the host time whatever its kernels compute: Python, autograd's graph, torch's dispatcher and
-allocator for every op; FSDP2's hooks around every unshard and reduce-scatter (DTensor bookkeeping, streams,
-copy-in and copy-out); the optimizer's foreach ops over every parameter. A GPU runs the kernels; the host only has
-to keep ahead of them, and at short lengths it cannot. This measures those times the way `timing.simulate` charges
-them, per op the step's trace prices (trace.py: views and other free ops are not priced, so their host time is
-folded into the ops that are), per FSDP2 collective, and per tensor of the optimizer's ops.
+allocator for every op; FSDP2's hooks around every unshard and reduce-scatter (DTensor bookkeeping, streams, copy-in
+and copy-out); the optimizer's foreach ops over every parameter. A GPU runs the kernels; the host only has to keep
+ahead of them, and at short lengths it cannot. This measures those times the way `timing.simulate` charges them, per
+op the step's trace prices (trace.py: views and other free ops are not priced, so their host time is folded into the
+ops that are), per FSDP2 collective, and per tensor of the optimizer's ops.
 
 How, so that the kernels' own time is removed: the point's real step (a deep, narrow model: a real model's layers
 and ops, a few elements each) runs on CPU tensors against a fake process group (FSDP2's hooks run and its
@@ -14,10 +14,11 @@ collectives are called; no bytes move), on one thread, in fp32 (CPU kernels of b
 being measured); its process CPU time (not wall time: a busy machine does not inflate it) is taken at two tiny
 lengths and extrapolated to no tokens. Without FSDP that gives the time per op; with it, what FSDP2 adds, per
 collective; with every layer recomputed (activation checkpointing), what a recomputed layer adds beyond the ops it
-replays (each priced at the time per op), per layer; the optimizer step is timed apart. What a CUDA step adds (the driver's launch of each kernel) and what
-it saves (the CPU kernel of a few elements) are not in it: both are a few microseconds.
+replays (each priced at the time per op), per layer; the optimizer step is timed apart. What a CUDA step adds (the
+driver's launch of each kernel) and what it saves (the CPU kernel of a few elements) are not in it: both are a few
+microseconds.
 
-    python -m cpbench.harness.project.dispatch            # prints the measurement (about a minute)
+    python -m cpbench.harness.project.dispatch            # prints the measurement (a few minutes)
 """
 
 from __future__ import annotations

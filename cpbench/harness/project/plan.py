@@ -146,7 +146,7 @@ class Search:
         self.ring_bound: dict[tuple, float] = {}  # (backend, cp) -> the zigzag ring's bound there (USP's too)
         self.pruned: list[str] = []
         self.suites: dict[str, str] = {}  # point_id -> its suite text
-        self._level: list[tuple] = []  # (configuration, cp, row) of the level running
+        self._level: list[tuple] = []  # (configuration, cp, rung or None, row) of the level running
 
     @staticmethod
     def label(key: tuple) -> str:
