@@ -78,11 +78,11 @@ def op_seconds(op: Op, hw: Hardware, dtype: str) -> float:
         return collective_seconds(op.kind, op.bytes, op.group, op.crosses_nodes, hw)
     if op.stream == "host":
         return op.bytes / (hw.host_bytes_per_s * hw.efficiency["host"])
-    memory = op.bytes / (hw.hbm_bytes_per_s * hw.efficiency["memory"])
     if op.kind in ("memory", "copy_out"):  # an element-wise kernel: its ramp too, and a strided one unvectorized
         return max(op.bytes / (hw.hbm_bytes_per_s * hw.memory_efficiency(op.strided)) + hw.memory_ramp_s, hw.kernel_s)
     if op.kind == "gemm":
         return max(efficiency.gemm_seconds(op.flops, op.bytes, op.shape, hw, dtype), hw.kernel_s)
+    memory = op.bytes / (hw.hbm_bytes_per_s * hw.efficiency["memory"])
     if op.flops:
         key = efficiency_key(op.kind, hw)
         if key not in hw.efficiency:

@@ -72,9 +72,9 @@ WRITE_ONLY = {"aten.copy_", "aten.fill_", "aten.zero_", "aten._foreach_copy_", "
               "aten.uniform_", "aten.random_", "aten.bernoulli_", "aten.exponential_", "aten.set_"}
 
 
-# Gathers: the argument they pick from is read only where they pick (an embedding of a 151,936-row table for 8k tokens
+# Gathers: their first argument is read only where they pick (an embedding of a 151,936-row table for 8k tokens
 # reads 8k rows, not the table): it counts at the output's size
-GATHER = {"aten.embedding": 0, "aten.index_select": 0, "aten.gather": 0}
+GATHER = {"aten.embedding", "aten.index_select", "aten.gather"}
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
@@ -89,8 +89,8 @@ def moved_bytes(name: str, args, kwargs, inputs: list, outputs: list) -> int:
     if name in WRITE_ONLY and args:
         skip |= {id(t) for t in _flat(args[0])}
     picked = 0
-    if name in GATHER and len(args) > GATHER[name] and isinstance(args[GATHER[name]], torch.Tensor) and outputs:
-        source = args[GATHER[name]]
+    if name in GATHER and args and isinstance(args[0], torch.Tensor) and outputs:
+        source = args[0]
         skip.add(id(source))
         picked = min(tensor_bytes(source), outputs[0].numel() * source.element_size())
     read = {id(t): t for t in inputs if id(t) not in skip}
