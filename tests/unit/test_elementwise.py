@@ -83,3 +83,10 @@ def test_the_gpu_bench_times_the_modules_and_writes_rows_the_fit_reads(tmp_path,
     forward, full = elementwise.rows("forward", out), elementwise.rows("full", out)
     assert [(r["kernel_name"], r["x_value"]) for r in forward + full] == [("relu_squared", "128")] * 2
     assert all(float(r["y_value_50_ms"]) > 0 and r["gpu_name"] == "cpu" for r in forward + full)
+
+
+def test_rows_of_a_module_the_fit_cannot_rebuild_are_refused_with_the_fix(tmp_path):
+    bad = tmp_path / "rows.csv"
+    bad.write_text(elementwise.DATA.read_text().replace("relu_squared", "geglu", 1))
+    with pytest.raises(ValueError, match=r"kernel_name \['geglu'\]: this fit rebuilds only .*drop those rows"):
+        elementwise.rows("forward", bad)

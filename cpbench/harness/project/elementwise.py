@@ -78,7 +78,12 @@ MODULES = {"relu_squared": _relu_squared, "megatron_swiglu": _swiglu, "fused_add
 def rows(mode: str = "forward", path: Path = DATA) -> list[dict]:
     """The published rows of one mode: "forward" (fitted) or "full", forward and backward (held out)."""
     with open(path) as f:
-        return [r for r in csv.DictReader(f) if r["kernel_operation_mode"] == mode]
+        found = [r for r in csv.DictReader(f) if r.get("kernel_operation_mode") == mode]
+    unknown = sorted({r.get("kernel_name") for r in found} - set(MODULES))
+    if unknown:
+        raise ValueError(f"{path}: kernel_name {unknown}: this fit rebuilds only {sorted(MODULES)}; drop those rows "
+                         "or time these modules (results/gpu/elementwise_bench.py).")
+    return found
 
 
 def trace(row: dict) -> list:
