@@ -200,3 +200,21 @@ def test_each_layer_that_recompute_checkpoints_is_marked_once_a_step():
     assert none == [] and len(every) == 4 and len(half) == 2
     assert {o.name for o in every} == {"LlamaDecoderLayer"} and all(o.bytes == o.flops == 0 for o in every)
     assert replayed > plain  # the replayed forward's own ops are traced (and priced) as ops
+
+
+def test_advanced_indexing_and_scatters_touch_the_rows_they_pick_or_put():
+    # `x[ids]` (aten.index) is a gather; `x[ids] = v` and index_add_ write (and accumulate: read) only the rows they
+    # put, not their whole target: 3 rows of a 1,000-row table
+    table, ids, rows = torch.ones(1000, 8), torch.tensor([3, 5, 7]), torch.ones(3, 8)
+    row_bytes = 3 * 8 * 4
+    assert _bytes_of(lambda: table[ids]) == row_bytes + ids.numel() * 8 + row_bytes
+
+    def put():
+        table[ids] = rows
+    assert _bytes_of(put) == row_bytes + ids.numel() * 8 + row_bytes  # values and indices read, the rows written
+    assert _bytes_of(lambda: table.index_put_((ids,), rows, accumulate=True)) == 2 * row_bytes + 24 + row_bytes
+    assert _bytes_of(lambda: table.index_add_(0, ids, rows)) == 2 * row_bytes + 24 + row_bytes
+    assert _bytes_of(lambda: table.scatter_add_(0, ids.view(3, 1).expand(3, 8), rows)) == \
+        2 * row_bytes + 3 * 8 + row_bytes  # an expanded index: one element per row wide in memory, 3 x 8 put
+    small, low = torch.ones(2, 8), ids.clamp(max=1)  # putting more than the target holds writes it once
+    assert _bytes_of(lambda: small.index_add_(0, low, rows)) == 2 * 2 * 8 * 4 + 24 + row_bytes

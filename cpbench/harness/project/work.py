@@ -73,8 +73,13 @@ WRITE_ONLY = {"aten.copy_", "aten.fill_", "aten.zero_", "aten._foreach_copy_", "
 
 
 # Gathers: their first argument is read only where they pick (an embedding of a 151,936-row table for 8k tokens
-# reads 8k rows, not the table): it counts at the output's size
-GATHER = {"aten.embedding", "aten.index_select", "aten.gather"}
+# reads 8k rows, not the table): it counts at the output's size. `aten.index` is advanced indexing (`x[ids]`).
+GATHER = {"aten.embedding", "aten.index_select", "aten.gather", "aten.index"}
+# Scatters in place: their first argument is written (and, where they accumulate, read) only where they put, as many
+# elements as their values or indices hold (a bool mask's whole area at most); op -> where its values are
+SCATTER = {"aten.index_put_": 2, "aten._index_put_impl_": 2, "aten.index_add_": 3, "aten.index_copy_": 3,
+           "aten.scatter_": 3, "aten.scatter_add_": 3, "aten.scatter_reduce_": 3, "aten.masked_scatter_": 2}
+_ACCUMULATE = {"aten.index_add_", "aten.scatter_add_", "aten.scatter_reduce_"}  # index_put_ by its flag
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
@@ -93,6 +98,15 @@ def moved_bytes(name: str, args, kwargs, inputs: list, outputs: list) -> int:
         source = args[0]
         skip.add(id(source))
         picked = min(tensor_bytes(source), outputs[0].numel() * source.element_size())
+    if name in SCATTER and args and isinstance(args[0], torch.Tensor):
+        target = args[0]
+        skip.add(id(target))
+        outputs = [t for t in outputs if t is not target]
+        put = max((t.numel() for t in _flat(args[1:SCATTER[name] + 1])), default=0)
+        picked = min(tensor_bytes(target), put * target.element_size())
+        accumulate = name in _ACCUMULATE or (name in ("aten.index_put_", "aten._index_put_impl_") and len(args) > 3
+                                             and bool(args[3]))
+        picked *= 2 if accumulate else 1
     read = {id(t): t for t in inputs if id(t) not in skip}
     written = {id(t): t for t in outputs}
     return picked + sum(map(tensor_bytes, read.values())) + sum(map(tensor_bytes, written.values()))
