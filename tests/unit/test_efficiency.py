@@ -126,6 +126,11 @@ def test_the_dispatch_measurement_separates_the_host_from_the_kernels():
     assert 1e-7 < r["cpu_op_s"] < 1e-3 and r["cpu_fsdp_collective_s"] > 0 and r["cpu_optimizer_tensor_s"] > 0
     assert r["sharded"]["collectives"] > 0 and r["alone"]["ops"] > 100
     # every layer recomputed: each marked once, and its replayed ops counted as ops
-    assert r["recomputed"]["checkpoints"] == 2 and r["recomputed"]["ops"] > r["alone"]["ops"]
+    assert r["recomputed"]["checkpoints"] == r["recomputed"]["replays"] == 2
+    assert r["recomputed"]["ops"] > r["alone"]["ops"]
+    # the forward of a checkpointed layer dispatches the plain forward's ops (its replay is in backward); the
+    # figure is split between the forward and the replay, whole
+    assert r["recomputed"]["forward_ops"] == r["alone"]["forward_ops"] < r["alone"]["ops"]
+    assert r["cpu_recompute_layer_s"] + r["cpu_recompute_replay_s"] == pytest.approx(r["recompute_total_s"])
     # at the same length the recomputed step does all the plain one does and replays its layers: it takes longer
     assert all(c["step_s"] > a["step_s"] for c, a in zip(r["recomputed"]["runs"], r["alone"]["runs"]))

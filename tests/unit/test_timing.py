@@ -323,13 +323,15 @@ def test_projected_times_rank_measured_cpu_points_as_their_measurements_do(tmp_p
 
 
 def test_a_recomputed_layer_costs_the_host_its_checkpoint_and_the_gpu_nothing():
-    host = dataclasses.replace(HW, cpu_op_s=1e-5, cpu_recompute_layer_s=1e-3)
-    mark = op("checkpoint")
+    host = dataclasses.replace(HW, cpu_op_s=1e-5, cpu_recompute_layer_s=1e-3, cpu_recompute_replay_s=3e-3)
+    mark, replay = op("checkpoint"), op("replay")
     assert host_seconds(mark, host) == 1e-3 and op_seconds(mark, host, "bfloat16") == 0.0
-    kernels = [op("memory", nbytes=1e6)] * 2  # 1 us each, issued 10 us apart: the host leads
-    plain, marked = (simulate(t, host, "bfloat16") for t in (kernels, [kernels[0], mark, kernels[1]]))
-    assert marked["step_s"] == pytest.approx(plain["step_s"] + 1e-3)
-    assert marked["overhead_s"] == pytest.approx(plain["overhead_s"] + 1e-3)  # the GPU waits for the host
+    assert host_seconds(replay, host) == 3e-3 and op_seconds(replay, host, "bfloat16") == 0.0
+    kernels = [op("memory", nbytes=1e6)] * 3  # 1 us each, issued 10 us apart: the host leads
+    plain, marked = (simulate(t, host, "bfloat16") for t in (kernels, [kernels[0], mark, kernels[1], replay,
+                                                                      kernels[2]]))
+    assert marked["step_s"] == pytest.approx(plain["step_s"] + 4e-3)
+    assert marked["overhead_s"] == pytest.approx(plain["overhead_s"] + 4e-3)  # the GPU waits for the host
     assert marked["compute_s"] == plain["compute_s"]
 
 
@@ -338,8 +340,14 @@ def test_a_profile_written_before_the_recompute_and_ramp_figures_loads_and_a_neg
     old = tmp_path / "old.toml"
     old.write_text(CPU_CORE.replace("cpu_recompute_layer_s = 0.0\n", ""))
     hw = hardware.load(str(old))
-    assert (hw.cpu_recompute_layer_s, hw.memory_ramp_s) == (0.0, 0.0)
+    assert (hw.cpu_recompute_layer_s, hw.cpu_recompute_replay_s, hw.memory_ramp_s) == (0.0, 0.0, 0.0)
     assert "memory_ramp_s" in hw.to_toml() and hardware.load(str(old)) == hw
+    # one written before the replay's figure (CPU_CORE has none): the layer's whole figure stays at its forward
+    last = tmp_path / "last.toml"
+    last.write_text(CPU_CORE.replace("cpu_recompute_layer_s = 0.0\n", "cpu_recompute_layer_s = 1e-3\n"))
+    assert (hardware.load(str(last)).cpu_recompute_layer_s, hardware.load(str(last)).cpu_recompute_replay_s) == \
+        (1e-3, 0.0)
+    assert "cpu_recompute_replay_s = 0.0" in hardware.load(str(last)).to_toml()
     bad = tmp_path / "bad.toml"
     bad.write_text(CPU_CORE.replace("cpu_recompute_layer_s = 0.0\n", "cpu_recompute_layer_s = -1e-3\n"))
     with pytest.raises(ValueError, match=r"cpu_recompute_layer_s = -0.001: give a time of 0 or more"):

@@ -187,19 +187,33 @@ def _projected_trace(extra: str) -> list:
     return project_rank(load_suite("t.toml", text=text).points()[0], 0, keep_trace=True)["trace"]
 
 
-def test_each_layer_that_recompute_checkpoints_is_marked_once_a_step():
-    # the host's work around a checkpointed layer (torch.utils.checkpoint's frames and hooks, the replay) is priced
-    # once per recomputed layer: the base model, which transformers flags too, checkpoints nothing
+def test_each_layer_that_recompute_checkpoints_is_marked_at_its_forward_and_at_its_replay():
+    # the host's work around a checkpointed layer (torch.utils.checkpoint's frames and hooks) is priced once per
+    # recomputed layer at its forward and once where backward replays it: the base model, which transformers flags
+    # too, checkpoints nothing
     def marks(extra):
         ops = _projected_trace(extra)
-        return [o for o in ops if o.kind == "checkpoint"], sum(o.kind == "memory" for o in ops)
+        at = {kind: [i for i, o in enumerate(ops) if o.kind == kind] for kind in ("checkpoint", "replay")}
+        loss = next(i for i, o in enumerate(ops) if o.name == "aten.nll_loss_forward")  # the forward's end
+        return ops, at, loss
 
     recompute = "activation_checkpointing = true\n"
-    (none, plain), (every, replayed), (half, _) = (marks(""), marks(recompute),
-                                                   marks(recompute + "recompute_every_n_layers = 2\n"))
-    assert none == [] and len(every) == 4 and len(half) == 2
-    assert {o.name for o in every} == {"LlamaDecoderLayer"} and all(o.bytes == o.flops == 0 for o in every)
-    assert replayed > plain  # the replayed forward's own ops are traced (and priced) as ops
+    (plain, none, _), (every, at, loss), (_, half, _) = (
+        marks(""), marks(recompute), marks(recompute + "recompute_every_n_layers = 2\n"))
+    assert none == {"checkpoint": [], "replay": []}
+    assert (len(at["checkpoint"]), len(at["replay"]), len(half["checkpoint"]), len(half["replay"])) == (4, 4, 2, 2)
+    assert max(at["checkpoint"]) < loss < min(at["replay"])  # the forward's marks, then the replays in backward
+    marked = [every[i] for i in at["checkpoint"] + at["replay"]]
+    assert {o.name for o in marked} == {"LlamaDecoderLayer"} and all(o.bytes == o.flops == 0 for o in marked)
+    # each layer's replay is marked as backward reaches it: before its replayed attention, which comes before that
+    # layer's attention backward, which comes before the next layer's replay
+    attention = [(i, o.kind.endswith("_backward")) for i, o in enumerate(every) if o.kind.startswith("attention")]
+    again = [i for i, back in attention if i > loss and not back]
+    back = [i for i, is_back in attention if is_back]
+    assert len(again) == len(back) == 4
+    assert all(r < a < b for r, a, b in zip(at["replay"], again, back))
+    assert all(b < r for b, r in zip(back, at["replay"][1:]))
+    assert sum(o.kind == "memory" for o in every) > sum(o.kind == "memory" for o in plain)  # replayed ops priced
 
 
 def test_advanced_indexing_and_scatters_touch_the_rows_they_pick_or_put():

@@ -1,5 +1,5 @@
 """The host's time to dispatch cpbench's own eager step, measured here: the profiles' `cpu_op_s`,
-`cpu_fsdp_collective_s`, `cpu_optimizer_tensor_s` and `cpu_recompute_layer_s`.
+`cpu_fsdp_collective_s`, `cpu_optimizer_tensor_s`, `cpu_recompute_layer_s` and `cpu_recompute_replay_s`.
 
 An eager step costs the host time whatever its kernels compute: Python, autograd's graph, torch's dispatcher and
 allocator for every op; FSDP2's hooks around every unshard and reduce-scatter (DTensor bookkeeping, streams, copy-in
@@ -14,7 +14,8 @@ collectives are called; no bytes move), on one thread, in fp32 (CPU kernels of b
 being measured); its process CPU time (not wall time: a busy machine does not inflate it) is taken at two tiny
 lengths and extrapolated to no tokens. Without FSDP that gives the time per op; with it, what FSDP2 adds, per
 collective; with every layer recomputed (activation checkpointing), what a recomputed layer adds beyond the ops it
-replays (each priced at the time per op), per layer; the optimizer step is timed apart. What a CUDA step adds (the
+replays (each priced at the time per op), per layer, at its forward (the forward timed apart, against the plain
+step's) and the rest at its replay in backward; the optimizer step is timed apart. What a CUDA step adds (the
 driver's launch of each kernel) and what it saves (the CPU kernel of a few elements) are not in it: both are a few
 microseconds.
 
@@ -26,6 +27,8 @@ from __future__ import annotations
 import time
 
 import torch
+
+from cpbench.harness.project.timing import HOST_ONLY
 
 LENGTHS = (8, 32)  # tokens per sequence: both tiny, so the extrapolation removes what the kernels cost
 FSDP_COLLECTIVES = ("all_gather", "reduce_scatter")
@@ -40,9 +43,10 @@ def _suite_text(model: str, world_size: int, layers: int, recompute: bool = Fals
 
 
 def step_costs(point, steps: int = 10) -> dict:
-    """The point's real step on this host: what its trace prices (`ops` of the forward and backward, its FSDP2
-    `collectives`, the `tensors` the optimizer's ops take) and the process CPU seconds of the forward and backward
-    (`step_s`) and of the optimizer step (`optimizer_s`), each the least of three runs."""
+    """The point's real step on this host: what its trace prices (`ops` of the forward and backward, `forward_ops`
+    of the forward, its FSDP2 `collectives`, the `tensors` the optimizer's ops take) and the process CPU seconds of
+    the forward and backward (`step_s`), of the forward alone (`forward_s`) and of the optimizer step
+    (`optimizer_s`), each the least of three runs."""
     from cpbench.harness.measure import step
     from cpbench.harness.project.projection import _mesh, fake_world
     from cpbench.harness.project.trace import StepTrace
@@ -60,31 +64,36 @@ def step_costs(point, steps: int = 10) -> dict:
                 step.train_step(model, optimizer, batch)
             trace = StepTrace()
             hooks = trace.optimizer_hooks(optimizer) + trace.checkpoint_hooks(model)
-            with trace:
-                step.train_step(model, optimizer, batch)
-            for h in hooks:
-                h.remove()
-            priced = [o for o in trace.ops if o.kind not in ("sync", "checkpoint")]
-            costs = {"ops": sum(o.phase == "step" for o in priced),
-                     "checkpoints": sum(o.kind == "checkpoint" for o in trace.ops),
-                     "collectives": sum(o.phase == "step" and o.kind in FSDP_COLLECTIVES for o in priced),
-                     "tensors": sum(o.tensors for o in priced if o.phase == "optimizer"),
-                     "step_s": float("inf"), "optimizer_s": float("inf")}
-
-            def forward_backward():
-                step.forward(model, batch).loss.backward()
-
-            def optimizer_step():
+            with trace:  # step.train_step, its forward's ops counted apart
+                loss = step.forward(model, batch).loss
+                forward_ops = sum(o.kind not in HOST_ONLY for o in trace.ops)
+                loss.backward()
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-
+            for h in hooks:
+                h.remove()
+            priced = [o for o in trace.ops if o.kind not in HOST_ONLY]
+            costs = {"ops": sum(o.phase == "step" for o in priced), "forward_ops": forward_ops,
+                     "checkpoints": sum(o.kind == "checkpoint" for o in trace.ops),
+                     "replays": sum(o.kind == "replay" for o in trace.ops),
+                     "collectives": sum(o.phase == "step" and o.kind in FSDP_COLLECTIVES for o in priced),
+                     "tensors": sum(o.tensors for o in priced if o.phase == "optimizer"),
+                     **dict.fromkeys(("step_s", "forward_s", "optimizer_s"), float("inf"))}
             for _ in range(3):  # interference only ever adds: the least of three
-                spent = {"step_s": 0.0, "optimizer_s": 0.0}
+                spent = {"step_s": 0.0, "forward_s": 0.0, "optimizer_s": 0.0}
                 for _ in range(steps):
-                    for part, run in (("step_s", forward_backward), ("optimizer_s", optimizer_step)):
-                        t0 = time.process_time()
-                        run()
-                        spent[part] += time.process_time() - t0
+                    t0 = time.process_time()
+                    loss = step.forward(model, batch).loss
+                    t1 = time.process_time()
+                    loss.backward()
+                    t2 = time.process_time()
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                    t3 = time.process_time()
+                    del loss
+                    spent["forward_s"] += t1 - t0
+                    spent["step_s"] += t2 - t0
+                    spent["optimizer_s"] += t3 - t2
                 costs.update({k: min(costs[k], v / steps) for k, v in spent.items()})
             return costs
     finally:
@@ -92,7 +101,8 @@ def step_costs(point, steps: int = 10) -> dict:
 
 
 def _at_no_tokens(model: str, world_size: int, layers: int, steps: int, recompute: bool = False) -> dict:
-    """step_costs at the two lengths, the step's time extrapolated to no tokens (`host_s`)."""
+    """step_costs at the two lengths, the step's time and its forward's extrapolated to no tokens (`host_s`,
+    `forward_host_s`)."""
     from cpbench.harness.suite.spec import load_suite
 
     text = _suite_text(model, world_size, layers, recompute)
@@ -101,8 +111,11 @@ def _at_no_tokens(model: str, world_size: int, layers: int, steps: int, recomput
     if (a["ops"], a["collectives"]) != (b["ops"], b["collectives"]):
         raise RuntimeError(f"the step dispatched {a['ops']} ops at {a['tokens']} tokens and {b['ops']} at "
                            f"{b['tokens']}: the extrapolation needs the same ops at both lengths")
-    per_token = (b["step_s"] - a["step_s"]) / (b["tokens"] - a["tokens"])
-    return {**a, "host_s": a["step_s"] - per_token * a["tokens"], "per_token_s": per_token, "runs": [a, b]}
+    def at_no_tokens(key: str) -> float:
+        return a[key] - (b[key] - a[key]) / (b["tokens"] - a["tokens"]) * a["tokens"]
+
+    return {**a, "host_s": at_no_tokens("step_s"), "forward_host_s": at_no_tokens("forward_s"),
+            "per_token_s": (b["step_s"] - a["step_s"]) / (b["tokens"] - a["tokens"]), "runs": [a, b]}
 
 
 def measure(model: str = "tiny-llama", layers: int = 16, steps: int = 10, rounds: int = 3) -> dict:
@@ -119,10 +132,16 @@ def measure(model: str = "tiny-llama", layers: int = 16, steps: int = 10, rounds
     per_op = alone["host_s"] / alone["ops"]
     per_collective = (sharded["host_s"] - per_op * sharded["ops"]) / sharded["collectives"]
     per_tensor = sharded["optimizer_s"] / sharded["tensors"]  # FSDP2's parameters are DTensors, as on the GPUs
-    # the replayed forward's ops are priced per op like any other; what is left is the checkpoint's own
-    per_layer = (recomputed["host_s"] - per_op * recomputed["ops"]) / recomputed["checkpoints"]
+    # the replayed forward's ops are priced per op like any other; what is left is the checkpoints' own: at the
+    # forward, what the recomputed forward costs beyond the plain one's (its ops' difference priced per op); the rest
+    # at the replay
+    layers_marked = recomputed["checkpoints"]
+    per_layer = (recomputed["host_s"] - per_op * recomputed["ops"]) / layers_marked
+    forward = (recomputed["forward_host_s"] - alone["forward_host_s"]
+               - per_op * (recomputed["forward_ops"] - alone["forward_ops"])) / layers_marked
     return {"model": model, "layers": layers, "cpu_op_s": per_op, "cpu_fsdp_collective_s": per_collective,
-            "cpu_optimizer_tensor_s": per_tensor, "cpu_recompute_layer_s": per_layer, "alone": alone,
+            "cpu_optimizer_tensor_s": per_tensor, "cpu_recompute_layer_s": forward,
+            "cpu_recompute_replay_s": per_layer - forward, "recompute_total_s": per_layer, "alone": alone,
             "sharded": sharded, "recomputed": recomputed, "torch": torch.__version__, "cpu": _cpu_name()}
 
 
@@ -144,5 +163,9 @@ if __name__ == "__main__":
           f"cpu_fsdp_collective_s = {1e6 * r['cpu_fsdp_collective_s']:.0f} us\n"
           f"  its optimizer step: {s['tensors']} tensors in its ops, {1e3 * s['optimizer_s']:.2f} ms: "
           f"cpu_optimizer_tensor_s = {1e6 * r['cpu_optimizer_tensor_s']:.2f} us\n"
-          f"  every layer recomputed: {c['ops']} ops and {c['checkpoints']} checkpointed layers, "
-          f"{1e3 * c['host_s']:.2f} ms: cpu_recompute_layer_s = {1e6 * r['cpu_recompute_layer_s']:.0f} us", flush=True)
+          f"  every layer recomputed: {c['ops']} ops and {c['checkpoints']} checkpointed layers "
+          f"({c['replays']} replayed), {1e3 * c['host_s']:.2f} ms: {1e6 * r['recompute_total_s']:.0f} us a layer, "
+          f"its forward {1e3 * c['forward_host_s']:.2f} ms against {1e3 * a['forward_host_s']:.2f} plain "
+          f"({c['forward_ops']} and {a['forward_ops']} ops): cpu_recompute_layer_s = "
+          f"{1e6 * r['cpu_recompute_layer_s']:.0f} us, cpu_recompute_replay_s = "
+          f"{1e6 * r['cpu_recompute_replay_s']:.0f} us", flush=True)

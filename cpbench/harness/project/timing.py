@@ -6,8 +6,9 @@ crosses (NVLink inside a node, the network across nodes) with the ring algorithm
 an offload copy its bytes over PCIe; an op of the optimizer step on the host its bytes over host memory.
 
 What overlaps what, as the code schedules it (trace.py names the streams):
-- the host dispatches ops one after another (`cpu_op_s` each, and `cpu_recompute_layer_s` for each layer that
-  activation checkpointing recomputes) and runs ahead of the GPU until something syncs it;
+- the host dispatches ops one after another (`cpu_op_s` each; for each layer that activation checkpointing
+  recomputes, `cpu_recompute_layer_s` at its forward and `cpu_recompute_replay_s` at its replay) and runs ahead of
+  the GPU until something syncs it;
 - each stream runs its ops in order; an op starts when its stream is free, the host has issued it, and the buffers
   it reads are written (a kernel that reads an all-gathered weight or a received K/V block waits for that transfer);
 - NCCL's stream (ring send/receive, Ulysses all-to-all, all-reduce) and FSDP2's reduce-scatter also wait for the
@@ -26,6 +27,7 @@ from cpbench.harness.project.trace import Op
 
 COMM_STREAMS = ("ag", "rs", "nccl")
 COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_to_all", "all_reduce", "p2p")
+HOST_ONLY = ("sync", "checkpoint", "replay")  # no kernel: a wait for the GPU, the host's work around a recomputed layer
 BREAKDOWN = ("compute_s", "optimizer_s", "comm_exposed_s", "transfer_exposed_s", "overhead_s")
 
 
@@ -70,7 +72,7 @@ def kernel_class(key: str) -> tuple[str, str]:
 
 
 def op_seconds(op: Op, hw: Hardware, dtype: str) -> float:
-    if op.kind in ("sync", "checkpoint"):
+    if op.kind in HOST_ONLY:
         return 0.0
     if op.kind in ("h2d", "d2h"):
         return op.bytes / (hw.pcie_bytes_per_s * hw.efficiency["pcie"])
@@ -98,10 +100,13 @@ def op_seconds(op: Op, hw: Hardware, dtype: str) -> float:
 def host_seconds(op: Op, hw: Hardware) -> float:
     """The host's time to issue `op`: torch's dispatch of an op of the forward and backward, with FSDP2's hooks for
     an all-gather or reduce-scatter, or the optimizer step's ops by the tensors they take (dispatch.py measures
-    each), and the driver's launch of its kernel (`cuda_launch_s`); a recomputed layer's checkpoint, what
-    torch.utils.checkpoint costs the host around it (`cpu_recompute_layer_s`, no kernel)."""
+    each), and the driver's launch of its kernel (`cuda_launch_s`); a recomputed layer's checkpoint and replay,
+    what torch.utils.checkpoint costs the host around its forward and its replay in backward (`cpu_recompute_layer_s`,
+    `cpu_recompute_replay_s`; no kernel)."""
     if op.kind == "checkpoint":
         return hw.cpu_recompute_layer_s
+    if op.kind == "replay":
+        return hw.cpu_recompute_replay_s
     if op.phase == "optimizer":
         return hw.cpu_optimizer_tensor_s * op.tensors + hw.cuda_launch_s
     if op.stream in ("ag", "rs") and op.kind in COLLECTIVE_KINDS:
@@ -123,7 +128,7 @@ def simulate(ops: list[Op], hw: Hardware, dtype: str) -> dict:
         if op.kind == "sync":  # the host waits for the GPU
             clock["cpu"] = max(clock["cpu"], clock["compute"])
             continue
-        if op.kind == "checkpoint":  # host work only: the GPU is not told of it
+        if op.kind in HOST_ONLY[1:]:  # host work only: the GPU is not told of it
             clock["cpu"] += host_seconds(op, hw)
             continue
         clock["cpu"] += host_seconds(op, hw)

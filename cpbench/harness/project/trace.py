@@ -34,8 +34,8 @@ from cpbench.harness.project import work
 class Op(NamedTuple):
     stream: str  # compute | ag | rs | nccl | host
     # gemm | attention[_cudnn|_efficient|_sdpa]_{forward,backward} | memory | copy_out | sync | a collective | h2d
-    # | d2h | checkpoint (a recomputed layer: host work, no kernel). `_sdpa`: the model called SDPA itself, which
-    # picks its kernel on the GPU (hardware.sdpa_kernel)
+    # | d2h | checkpoint, replay (a recomputed layer's forward and its replay in backward: host work, no kernel).
+    # `_sdpa`: the model called SDPA itself, which picks its kernel on the GPU (hardware.sdpa_kernel)
     kind: str
     phase: str  # step | optimizer
     flops: float
@@ -136,19 +136,33 @@ class StepTrace(TorchDispatchMode):
         return [optimizer.register_step_pre_hook(pre), optimizer.register_step_post_hook(post)]
 
     def checkpoint_hooks(self, model: torch.nn.Module):
-        """Marks each layer activation checkpointing recomputes, once a step, at its forward: a `checkpoint` op, the
-        host's work around the layer beyond the ops it dispatches (torch.utils.checkpoint's frames and saved-tensor
-        hooks, the backward's replay), which the profile's `cpu_recompute_layer_s` prices. The layers are
-        transformers' own (a `GradientCheckpointingLayer` with `gradient_checkpointing` on checkpoints its forward
-        in training), so selective recompute marks only the layers it recomputes; the tiled MLP's and the chunked
-        loss's own checkpoints are not marked. Returns the hook handles."""
+        """Marks each layer activation checkpointing recomputes, once a step where the host does the work: a
+        `checkpoint` op at its forward (torch.utils.checkpoint's frames, its saved-tensor hooks set up) and a `replay`
+        op where backward replays it (the hooks unpacking, the replay's frames), beyond the ops each dispatches, which
+        the profile's `cpu_recompute_layer_s` and `cpu_recompute_replay_s` price. The layers are transformers' own (a
+        `GradientCheckpointingLayer` with `gradient_checkpointing` on checkpoints its `forward` in training, its
+        hooks outside the checkpoint), so selective recompute marks only the layers it recomputes; the replay is
+        seen by its children's hooks, which run inside it, in backward. The tiled MLP's and the chunked loss's own
+        checkpoints are not marked. Returns the hook handles."""
         from cpbench.cp.hf_compat import recomputed_layers
+
+        replayed: set[tuple[int, int]] = set()  # (layer, backward pass) already marked
 
         def mark(module, _args):
             if self._entered and module.gradient_checkpointing and module.training and torch.is_grad_enabled():
                 self.ops.append(Op("compute", "checkpoint", self.phase, 0.0, 0.0, (), (), name=type(module).__name__))
 
-        return [m.register_forward_pre_hook(mark) for m in recomputed_layers(model)]
+        def replay(layer):
+            def hook(_module, _args):
+                backward = torch._C._current_graph_task_id()
+                if self._entered and backward != -1 and (id(layer), backward) not in replayed:
+                    replayed.add((id(layer), backward))
+                    self.ops.append(Op("compute", "replay", self.phase, 0.0, 0.0, (), (), name=type(layer).__name__))
+            return hook
+
+        layers = recomputed_layers(model)
+        return [m.register_forward_pre_hook(mark) for m in layers] + \
+            [child.register_forward_pre_hook(replay(m)) for m in layers for child in m.children()]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if any(t is DTensor for t in types):
