@@ -3,6 +3,9 @@ schema has it, each kernel's causal alignment, grouped and MLA shapes, and the b
 
 from __future__ import annotations
 
+import warnings
+
+import pytest
 import torch
 
 from cpbench.harness.project import work
@@ -232,3 +235,48 @@ def test_advanced_indexing_and_scatters_touch_the_rows_they_pick_or_put():
         2 * row_bytes + 3 * 8 + row_bytes  # an expanded index: one element per row wide in memory, 3 x 8 put
     small, low = torch.ones(2, 8), ids.clamp(max=1)  # putting more than the target holds writes it once
     assert _bytes_of(lambda: small.index_add_(0, low, rows)) == 2 * 2 * 8 * 4 + 24 + row_bytes
+
+
+def test_a_scatter_counts_the_elements_it_puts_whatever_its_values_or_mask_hold():
+    table, ids = torch.ones(1000, 8), torch.tensor([3, 5, 7])
+    # one index entry from a 1,000-row source: one element read and written, the index's 8 bytes
+    one, source = torch.tensor([[1]]), torch.ones(1000, 8)
+    assert _bytes_of(lambda: table.scatter_(0, one, source)) == 4 + 4 + 8
+
+    def put_scalar():
+        table[ids] = 0.0  # a 0-dim value broadcast over 3 rows of 8
+    assert _bytes_of(put_scalar) == 3 * 8 * 4 + 24 + 4
+    index, rows = ids.view(3, 1).expand(3, 8).contiguous(), torch.ones(3, 8)
+    assert _bytes_of(lambda: table.scatter_(0, index, rows)) == 96 + 192 + 96
+    with pytest.warns(UserWarning):  # scatter_'s reduce= is deprecated, still an accumulating put
+        assert _bytes_of(lambda: table.scatter_(0, index, rows, reduce="add")) == 2 * 96 + 192 + 96
+    # a mask expanded over the target: no more put than the source holds (16 of 32 elements)
+    mask = torch.tensor([True, False, True, False]).view(4, 1).expand(4, 8)
+    target, source = torch.ones(4, 8), torch.ones(16)
+    assert _bytes_of(lambda: target.masked_scatter_(mask, source)) == 64 + 64 + 4
+
+
+def test_the_backward_of_a_gather_puts_into_its_zeros_in_place():
+    # under a dispatch mode autograd runs the out-of-place index_put into fresh zeros; CUDA's eager backward puts in
+    # place: the zeros are written once (new_zeros), the put touches its 3 rows (accumulating), not the whole table
+    leaf, ids = torch.ones(1000, 8, requires_grad=True), torch.tensor([3, 5, 7])
+    with StepTrace() as trace:
+        leaf[ids].sum().backward()
+    put = next(o for o in trace.ops if o.name == "aten.index_put")
+    assert put.bytes == 2 * 3 * 8 * 4 + 4 + 24  # the rows read and written, the expanded gradient, the indices
+
+
+def test_a_checkpointed_layer_whose_replay_is_not_seen_is_said():
+    from cpbench.harness.project.trace import Op
+
+    def closed(kinds):
+        trace = StepTrace()
+        trace.ops = [Op("compute", kind, "step", 0.0, 0.0, (), ()) for kind in kinds]
+        trace.close()
+
+    with pytest.warns(UserWarning, match="2 checkpointed layer calls, 1 replays seen"):
+        closed(["checkpoint", "checkpoint", "attention_backward", "replay"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        closed(["checkpoint", "replay", "attention_backward"])  # each replayed: nothing said
+        closed(["checkpoint", "attention_forward"])  # no backward traced: nothing to replay

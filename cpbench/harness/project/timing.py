@@ -128,7 +128,7 @@ def simulate(ops: list[Op], hw: Hardware, dtype: str) -> dict:
         if op.kind == "sync":  # the host waits for the GPU
             clock["cpu"] = max(clock["cpu"], clock["compute"])
             continue
-        if op.kind in HOST_ONLY[1:]:  # host work only: the GPU is not told of it
+        if op.kind in ("checkpoint", "replay"):  # host work only: the GPU is not told of it
             clock["cpu"] += host_seconds(op, hw)
             continue
         clock["cpu"] += host_seconds(op, hw)

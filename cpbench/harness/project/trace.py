@@ -19,6 +19,8 @@ Streams, as cpbench's code and the libraries under it schedule the work:
 
 from __future__ import annotations
 
+import warnings
+
 from typing import NamedTuple
 
 import torch
@@ -120,6 +122,11 @@ class StepTrace(TorchDispatchMode):
     def close(self) -> None:
         if self.ledger is not None and self._moved in self.ledger.listeners:
             self.ledger.listeners.remove(self._moved)
+        marked = {kind: sum(o.kind == kind for o in self.ops) for kind in ("checkpoint", "replay")}
+        if marked["replay"] < marked["checkpoint"] and any(o.kind.endswith("_backward") for o in self.ops):
+            warnings.warn(f"{marked['checkpoint']} checkpointed layer calls, {marked['replay']} replays seen: a layer "
+                          "called twice a step, or whose children are not called as modules, replays in backward "
+                          "with its host time (cpu_recompute_replay_s) unpriced", stacklevel=2)
 
     def _moved(self, direction: str, nbytes: int, what: str) -> None:
         stream = {"params": "ag", "grads": "rs"}.get(what, "compute")
@@ -210,7 +217,8 @@ class StepTrace(TorchDispatchMode):
             kind = f"attention{family}_{spec.direction}"
         else:
             kind, flops = "memory", 0.0
-        moved = work.moved_bytes(name, args, kwargs, inputs, written)
+        moved = work.moved_bytes(name, args, kwargs, inputs, written,
+                                 backward=torch._C._current_graph_task_id() != -1)
         if name == "fsdp.all_gather_copy_in":
             self._onto_copy_in_stream(_tensors(args[0]))
         self.ops.append(Op(stream, kind, self.phase, float(flops), float(moved), reads, writes, name=name,

@@ -75,11 +75,16 @@ WRITE_ONLY = {"aten.copy_", "aten.fill_", "aten.zero_", "aten._foreach_copy_", "
 # Gathers: their first argument is read only where they pick (an embedding of a 151,936-row table for 8k tokens
 # reads 8k rows, not the table): it counts at the output's size. `aten.index` is advanced indexing (`x[ids]`).
 GATHER = {"aten.embedding", "aten.index_select", "aten.gather", "aten.index"}
-# Scatters in place: their first argument is written (and, where they accumulate, read) only where they put, as many
-# elements as their values or indices hold (a bool mask's whole area at most); op -> where its values are
-SCATTER = {"aten.index_put_": 2, "aten._index_put_impl_": 2, "aten.index_add_": 3, "aten.index_copy_": 3,
-           "aten.scatter_": 3, "aten.scatter_add_": 3, "aten.scatter_reduce_": 3, "aten.masked_scatter_": 2}
-_ACCUMULATE = {"aten.index_add_", "aten.scatter_add_", "aten.scatter_reduce_"}  # index_put_ by its flag
+# Scatters in place: their first argument is written (and, where they accumulate, read) only where they put, and
+# their values read only where they are put from (_put_elements)
+SCATTER = {"aten.index_put_", "aten._index_put_impl_", "aten.index_add_", "aten.index_copy_", "aten.scatter_",
+           "aten.scatter_add_", "aten.scatter_reduce_", "aten.masked_scatter_"}
+_ACCUMULATE = {"aten.index_add_", "aten.scatter_add_", "aten.scatter_reduce_"}  # index_put_, scatter_ by argument
+# Under a dispatch mode autograd takes its tensor-subclass-safe backward, the out-of-place forms into fresh zeros
+# (the backward of x[ids], index_select, gather); eager CUDA autograd puts in place into them: priced so in backward
+IN_PLACE_OF = {"aten.index_put": "aten.index_put_", "aten.index_add": "aten.index_add_",
+               "aten.scatter_add": "aten.scatter_add_", "aten.scatter": "aten.scatter_",
+               "aten.index_copy": "aten.index_copy_", "aten.scatter_reduce": "aten.scatter_reduce_"}
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
@@ -87,9 +92,10 @@ def tensor_bytes(t: torch.Tensor) -> int:
     return math.prod(s for s, st in zip(t.shape, t.stride()) if st != 0) * t.element_size() if t.numel() else 0
 
 
-def moved_bytes(name: str, args, kwargs, inputs: list, outputs: list) -> int:
+def moved_bytes(name: str, args, kwargs, inputs: list, outputs: list, backward: bool = False) -> int:
     """Bytes read plus bytes written; each distinct tensor counts once per direction. `outputs`: what the op writes,
-    its results and what it writes in place (trace._mutated: an in-place foreach op returns nothing)."""
+    its results and what it writes in place (trace._mutated: an in-place foreach op returns nothing). `backward`:
+    the op runs in autograd's backward (IN_PLACE_OF)."""
     skip = {id(t) for t in _flat((kwargs or {}).get("out"))}
     if name in WRITE_ONLY and args:
         skip |= {id(t) for t in _flat(args[0])}
@@ -98,18 +104,50 @@ def moved_bytes(name: str, args, kwargs, inputs: list, outputs: list) -> int:
         source = args[0]
         skip.add(id(source))
         picked = min(tensor_bytes(source), outputs[0].numel() * source.element_size())
+    if backward and name in IN_PLACE_OF:
+        name, outputs = IN_PLACE_OF[name], []  # the result is the zeros the put goes into: its rows written only
     if name in SCATTER and args and isinstance(args[0], torch.Tensor):
         target = args[0]
-        skip.add(id(target))
+        elements, values = _put_elements(name, target, args)
+        skip |= {id(target)} | ({id(values)} if values is not None else set())
         outputs = [t for t in outputs if t is not target]
-        put = max((t.numel() for t in _flat(args[1:SCATTER[name] + 1])), default=0)
-        picked = min(tensor_bytes(target), put * target.element_size())
-        accumulate = name in _ACCUMULATE or (name in ("aten.index_put_", "aten._index_put_impl_") and len(args) > 3
-                                             and bool(args[3]))
-        picked *= 2 if accumulate else 1
+        accumulate = name in _ACCUMULATE or bool((kwargs or {}).get("reduce")) or (
+            name in ("aten.index_put_", "aten._index_put_impl_")
+            and bool(args[3] if len(args) > 3 else (kwargs or {}).get("accumulate")))
+        picked = min(elements, target.numel()) * target.element_size() * (2 if accumulate else 1)
+        if values is not None:
+            picked += min(tensor_bytes(values), elements * values.element_size())
     read = {id(t): t for t in inputs if id(t) not in skip}
     written = {id(t): t for t in outputs}
     return picked + sum(map(tensor_bytes, read.values())) + sum(map(tensor_bytes, written.values()))
+
+
+def _put_elements(name: str, target: torch.Tensor, args) -> tuple[int, torch.Tensor | None]:
+    """(the elements a scatter puts, some perhaps onto the same place of `target`; the tensor it takes them from)."""
+    values = args[3] if name.startswith(("aten.scatter", "aten.index_add", "aten.index_copy")) else args[2]
+    values = values if isinstance(values, torch.Tensor) else None
+    if name.startswith("aten.scatter"):  # one element per index entry
+        elements = args[2].numel()
+    elif name in ("aten.index_add_", "aten.index_copy_"):  # whole slices, as its source holds
+        elements = values.numel()
+    elif name == "aten.masked_scatter_":  # where the mask is set: no more than the source holds
+        elements = values.numel()
+    else:  # index_put_: the indexed shape (a bool mask counted whole: where it is set is not known), values broadcast
+        elements, dim, shapes = 1, 0, []
+        for index in args[1]:
+            if index is None:  # a full slice of this dim
+                elements *= target.shape[dim]
+                dim += 1
+            elif index.dtype in (torch.bool, torch.uint8):
+                elements *= index.numel()
+                dim += index.dim()
+            else:
+                shapes.append(index.shape)
+                dim += 1
+        elements *= math.prod(torch.broadcast_shapes(*shapes)) * math.prod(target.shape[dim:]) if shapes else \
+            math.prod(target.shape[dim:])
+        elements = max(elements, values.numel() if values is not None else 0)
+    return elements, values
 
 
 def _flat(x) -> list:
