@@ -66,7 +66,7 @@ def _tensors(tree) -> list[torch.Tensor]:
     return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
 
 
-def _key(t: torch.Tensor) -> int:
+def _storage(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
@@ -106,6 +106,9 @@ class StepTrace(TorchDispatchMode):
         self.gpus_per_node = gpus_per_node
         self._stream_of: dict[int, str] = {}  # buffer key -> the stream that wrote it last
         self._writer: dict[int, int] = {}  # buffer key -> the index in `ops` of the kernel that wrote it last
+        # A buffer's key is its storage and the storage's generation: the address of a freed storage is reused by
+        # a later allocation, which must not inherit what last wrote the freed one (a false wait in the schedule)
+        self._generation: dict[int, int] = {}
         self.ledger = ledger
         self._entered = False
         if ledger is not None:
@@ -175,8 +178,20 @@ class StepTrace(TorchDispatchMode):
         if any(t is DTensor for t in types):
             return NotImplemented
         out = func(*args, **(kwargs or {}))
+        self._allocated(args, kwargs, out)
         self._record(func, args, kwargs, out)
         return out
+
+    def _key(self, t: torch.Tensor) -> tuple[int, int]:
+        storage = _storage(t)
+        return storage, self._generation.get(storage, 0)
+
+    def _allocated(self, args, kwargs, out) -> None:
+        """A new generation for each storage the op allocated (an output that shares no input's storage), priced or
+        free (torch.empty): what reads it waits for what writes it from now on, never for a freed buffer's writer."""
+        inputs = {_storage(t) for t in _tensors((args, kwargs))}
+        for storage in {_storage(t) for t in _tensors(out)} - inputs:
+            self._generation[storage] = self._generation.get(storage, 0) + 1
 
     def _record(self, func, args, kwargs, out) -> None:
         name = str(func.overloadpacket) if hasattr(func, "overloadpacket") else str(func)
@@ -198,9 +213,9 @@ class StepTrace(TorchDispatchMode):
             stream = "ag" if "all_gather_copy_in" in name else "rs" if "chunk_cat" in name else "compute"
         else:
             stream = "host" if self._on_host() else "compute"
-        reads = tuple({_key(t) for t in inputs})
+        reads = tuple({self._key(t) for t in inputs})
         written = outputs + _mutated(func, args, kwargs)
-        writes = tuple({_key(t) for t in written})
+        writes = tuple({self._key(t) for t in written})
         shape = ()
         if name == "fsdp.split_with_sizes_copy":
             kind, flops = "copy_out", 0.0  # FSDP2's all-gather copy-out: the next all-gather may start after it
@@ -235,7 +250,7 @@ class StepTrace(TorchDispatchMode):
         all-gather is prepared while the layer before it computes: the kernels of this step that wrote the copy-in's
         inputs move onto that stream. Its inputs only, not the output buffer it is handed (a fresh allocation, whose
         storage may be a freed one's); a shard that needs no cast was last written by the optimizer, not this step."""
-        for key in {_key(t) for t in inputs}:
+        for key in {self._key(t) for t in inputs}:
             at = self._writer.get(key)
             op = self.ops[at] if at is not None else None
             if op is not None and op.stream == "compute" and op.phase == "step" and op.kind == "memory":
@@ -255,16 +270,16 @@ class StepTrace(TorchDispatchMode):
         receive, send = op_name.startswith("c10d::recv"), op_name == "c10d::send"
         sent = [] if receive else _tensors(args[sent_at]) if sent_at < len(args) else []
         written = outputs if functional else [] if send else _tensors(args[0])
-        reads = tuple({_key(t) for t in sent})
+        reads = tuple({self._key(t) for t in sent})
         writers = {self._stream_of.get(k) for k in reads}
         stream = next((s for s in ("ag", "rs") if s in writers), "nccl")  # FSDP2's own streams, or NCCL's
         # A ring step sends and receives at once (full duplex): the receive carries the step's time, so what reads
         # the received block waits for it; the send is free.
         nbytes = _nbytes(written) if receive else 0 if send else _nbytes(sent)
-        self.ops.append(Op(stream, kind, self.phase, 0.0, float(nbytes), reads, tuple({_key(t) for t in written}),
+        self.ops.append(Op(stream, kind, self.phase, 0.0, float(nbytes), reads, tuple({self._key(t) for t in written}),
                            size, len(nodes) > 1))
         for t in written:
-            self._stream_of[_key(t)] = stream
+            self._stream_of[self._key(t)] = stream
 
 
 def _mutated(func, args, kwargs) -> list[torch.Tensor]:
