@@ -87,6 +87,28 @@ def grow(fig, width: float = 0.0, height: float = 0.0) -> None:
     fig.set_size_inches(min(max(w, width), MAX_INCHES), min(max(h, height), MAX_INCHES))
 
 
+def save(fig, target, **kwargs) -> None:
+    """`fig.savefig(target, ...)`, grown (1.5 times a try, up to MAX_INCHES) while the constrained layout finds its
+    axes squeezed to nothing by their labels and legends, as matplotlib warns; past that, saved without the layout
+    and cropped to what it draws, so no figure is written collapsed."""
+    import io
+    import warnings
+
+    for _ in range(4):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fig.savefig(io.BytesIO(), format="png", dpi=kwargs.get("dpi", 100))
+        if not any("collapsed to zero" in str(w.message) for w in caught):
+            fig.savefig(target, **kwargs)
+            return
+        w, h = fig.get_size_inches()
+        if w >= MAX_INCHES and h >= MAX_INCHES:
+            break
+        grow(fig, w * 1.5, h * 1.5)
+    fig.set_layout_engine("none")
+    fig.savefig(target, bbox_inches="tight", **kwargs)
+
+
 def _tick_layout(labels: list[str], along_lines: bool) -> tuple[str, list[str], float, float]:
     """(font size, wrapped labels, inches each tick needs along the axis, inches the labels need across it): the
     largest font and narrowest wrap whose ticks fit side by side within MAX_INCHES, else the smallest and widest."""

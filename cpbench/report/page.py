@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from . import balance, plots, tables, units
+from . import axes, balance, plots, tables, units
 from .compare import beside_projected
 from .derive import measurement_note, ratios_vs_cp1
 from .runs.load import run_label
@@ -55,10 +55,10 @@ def save_figures(frame: pd.DataFrame, out_dir: str | Path, capacity: float | Non
             omitted[name] = why
             continue
         paths[name] = out_dir / f"{name}.png"
-        fig.savefig(paths[name], dpi=100)
+        axes.save(fig, paths[name], dpi=100)
     if has_peers(frame):
         paths["peers"] = out_dir / "peers.png"
-        peers_figure(frame).savefig(paths["peers"], dpi=100)
+        axes.save(peers_figure(frame), paths["peers"], dpi=100)
     return paths, omitted
 
 

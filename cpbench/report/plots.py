@@ -16,6 +16,7 @@ import pandas as pd
 from matplotlib import colormaps
 from matplotlib.figure import Figure
 
+from . import axes
 from .axes import MAX_INCHES, empty, legend, seq_axis, ticks
 from .derive import largest_fit, measurement_note, ordered_configs, ratios_vs_cp1, with_config, with_projected_time
 from .units import GIB, human_bytes, seq_label
@@ -263,5 +264,5 @@ def nothing_to_show(fig: Figure) -> str | None:
 def png_bytes(fig: Figure, dpi: int = 100) -> bytes:
     """The figure as PNG bytes (a notebook shows them with IPython.display.Image, whatever its backend)."""
     buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=dpi)
+    axes.save(fig, buffer, format="png", dpi=dpi)
     return buffer.getvalue()

@@ -103,3 +103,21 @@ def test_balance_lists_each_configuration_once():
     drawn = list(dict.fromkeys(packed_points(frame)["config"]))  # two points each: two bar groups, one entry
     assert len(packed_points(frame)) > len(drawn)
     assert texts == drawn
+
+
+def test_a_figure_whose_labels_squeeze_its_axes_away_is_grown_not_written_collapsed():
+    import io
+    import warnings
+
+    from matplotlib.figure import Figure
+
+    from cpbench.report import axes
+
+    fig = Figure(figsize=(2, 1.5), layout="constrained")
+    ax = fig.add_subplot()
+    ax.plot([0, 1], [0, 1])
+    ax.set_ylabel("\n".join(["a long label"] * 12))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # matplotlib's "axes sizes collapsed to zero" fails here
+        axes.save(fig, io.BytesIO(), format="png", dpi=50)
+    assert fig.get_size_inches()[1] > 1.5
