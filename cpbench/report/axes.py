@@ -91,13 +91,12 @@ def save(fig, target, **kwargs) -> None:
     """`fig.savefig(target, ...)`, grown (1.5 times a try, up to MAX_INCHES) while the constrained layout finds its
     axes squeezed to nothing by their labels and legends, as matplotlib warns; past that, saved without the layout
     and cropped to what it draws, so no figure is written collapsed."""
-    import io
     import warnings
 
     for _ in range(4):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            fig.savefig(io.BytesIO(), format="png", dpi=kwargs.get("dpi", 100))
+            fig.draw_without_rendering()  # the layout alone, no pixels
         if not any("collapsed to zero" in str(w.message) for w in caught):
             fig.savefig(target, **kwargs)
             return

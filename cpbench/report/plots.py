@@ -148,13 +148,13 @@ def scaling_figure(frame: pd.DataFrame) -> Figure:
         mem_ax.axhline(1.0 / cp, color="grey", linestyle="--", label=f"ideal activations 1/{cp}")
     mem_ax.set_ylabel("memory vs cp=1 (ratio of per-rank peaks)")
     mem_ax.set_title("Memory against cp=1" + measurement_note(frame))
-    axes = (speed_ax, mem_ax) if timed else (mem_ax,)
+    panels = (speed_ax, mem_ax) if timed else (mem_ax,)
     if timed:
         speed_ax.axhline(1.0, color="grey", linestyle="--")
         speed_ax.set_ylabel("speed-up vs cp=1 (cp=1 step time / step time)")
     else:
         empty(speed_ax, "no speed-up: no point was timed (a projection has no time)")
-    for ax in axes:
+    for ax in panels:
         seq_axis(ax, ratios["seq_len"])
     legend(mem_ax)
     return fig
