@@ -1,7 +1,7 @@
 """table.md: each published measurement beside cpbench's projection of the same configuration, and the error; the
 mean absolute error over the judged rows, all of them and the short regime (<= 64k tokens per GPU) apart. Where a
 source publishes its peak memory per GPU too (`peak_gb`, in GB as published), a second table sets the projected peak
-beside it."""
+beside it; where it times parts of the step (`parts`), a third sets the projected parts beside them."""
 
 import tomllib
 from pathlib import Path
@@ -60,6 +60,7 @@ def main() -> None:
                      f"{len(short)} of them at <= 64k tokens per GPU, {100 * sum(long) / len(long):.1f} % over the "
                      f"{len(long)} above.")
     lines += peaks(tomllib.loads((HERE / "measurements.toml").read_text()))
+    lines += parts(tomllib.loads((HERE / "measurements.toml").read_text()))
     (HERE / "table.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
@@ -82,6 +83,32 @@ def peaks(measurements: dict) -> list[str]:
     if judged:
         lines.append(f"\nPeak memory: mean absolute error {100 * sum(judged) / len(judged):.1f} % over the "
                      f"{len(judged)} judged peaks (largest {100 * max(judged):.0f} %).")
+    return lines if len(lines) > 2 else []
+
+
+PARTS = {"forward_s": "forward", "forward_backward_s": "forward + backward", "optimizer_s": "optimizer step"}
+
+
+def projected_parts(row) -> dict:
+    """A projected row's parts as timers around them read them (timing.simulate: `forward_s`, `backward_s`); None
+    for a row projected before they were recorded."""
+    forward, backward = row.get("projected_forward_s"), row.get("projected_backward_s")
+    if forward is None or backward is None or forward != forward or backward != backward:
+        return {}
+    return {"forward_s": forward, "forward_backward_s": forward + backward,
+            "optimizer_s": row["projected_step_s"] - forward - backward}
+
+
+def parts(measurements: dict) -> list[str]:
+    """The parts of a step a source times apart (`parts`), beside the projection's: where a step's error sits."""
+    lines = ["\n| measurement | part | measured | projected | error |", "|---|---|---|---|---|"]
+    for name, m in measurements.items():
+        row = _row(name) if "parts" in m else None
+        projected_ = projected_parts(row) if row is not None else {}
+        for part, measured in m.get("parts", {}).items():
+            value = projected_.get(part)
+            shown = f"{1e3 * value:.1f} ms | {100 * (value / measured - 1):+.0f} %" if value is not None else "- | -"
+            lines.append(f"| {name} | {PARTS[part]} | {1e3 * measured:.1f} ms | {shown} |")
     return lines if len(lines) > 2 else []
 
 

@@ -42,3 +42,30 @@ def test_every_published_row_says_its_source_configuration_and_tokens_per_gpu():
         assert m["source"] and m["config"] and m["unit"] in ("s", "tok/s/GPU") and m["measured"] > 0, name
         if not m.get("judged", True):
             assert m.get("differs"), f"{name}: a row left out of the mean says why"
+
+
+def _table_script():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("published_table", PUBLISHED / "table.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_parts_a_source_times_apart_are_projected_and_add_up_to_the_step():
+    table = _table_script()
+    rows = {name: m for name, m in tomllib.loads((PUBLISHED / "measurements.toml").read_text()).items()
+            if "parts" in m}
+    assert rows
+    for name, m in rows.items():
+        measured = m["parts"]
+        assert set(measured) <= set(table.PARTS), name
+        if {"forward_backward_s", "optimizer_s"} <= set(measured):  # the entry agrees with the source's own step
+            assert measured["forward_backward_s"] + measured["optimizer_s"] == pytest.approx(m["measured"], rel=1e-3)
+        (run,) = (PUBLISHED / "runs").glob(f"*/{name}/runs.parquet")
+        row = store.read_run(run).iloc[0]
+        parts = table.projected_parts(row)
+        assert 0 < parts["forward_s"] < parts["forward_backward_s"] < row["projected_step_s"], name
+        assert parts["forward_backward_s"] + parts["optimizer_s"] == pytest.approx(row["projected_step_s"]), name
+    assert len(table.parts(rows)) == 2 + sum(len(m["parts"]) for m in rows.values())  # a line for every part

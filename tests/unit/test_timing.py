@@ -31,8 +31,8 @@ HW = hardware.Hardware(
 
 
 def op(kind="memory", stream="compute", flops=0.0, nbytes=0.0, reads=(), writes=(), group=1, phase="step",
-       crosses=False):
-    return Op(stream, kind, phase, flops, nbytes, tuple(reads), tuple(writes), group, crosses)
+       crosses=False, backward=False):
+    return Op(stream, kind, phase, flops, nbytes, tuple(reads), tuple(writes), group, crosses, backward=backward)
 
 
 def test_a_gemm_costs_its_flops_over_the_efficient_peak_or_its_bytes_whichever_is_longer():
@@ -126,6 +126,21 @@ def test_the_optimizer_waits_for_the_last_reduce_scatter_and_the_breakdown_sums_
     assert t["step_s"] == pytest.approx(1e-3 + 2e-3 + 1e-3)
     assert t["optimizer_s"] == pytest.approx(1e-3) and t["comm_exposed_s"] == pytest.approx(2e-3)
     assert sum(t[k] for k in BREAKDOWN) == pytest.approx(t["step_s"])
+
+
+def test_the_forward_and_backward_times_are_what_timers_around_them_read():
+    # forward: 1 ms; backward: 2 ms of kernels, then its gradients' reduce-scatter (2 ms) the optimizer waits for;
+    # the optimizer: 1 ms. A timer around the backward (a synchronize after it) reads its kernels and the reduction.
+    trace = [op("gemm", flops=50e12 * 1e-3, writes=[1]),
+             op("gemm", flops=50e12 * 2e-3, reads=[1], writes=[2], backward=True),
+             op("reduce_scatter", "rs", nbytes=400e6, reads=[2], writes=[3], group=2, backward=True),
+             op("memory", nbytes=1e9, reads=[5], phase="optimizer")]
+    t = simulate(trace, HW, "bfloat16")
+    assert t["forward_s"] == pytest.approx(1e-3) and t["backward_s"] == pytest.approx(2e-3 + 2e-3)
+    assert t["forward_s"] + t["backward_s"] + t["optimizer_s"] == pytest.approx(t["step_s"])
+    # no backward (a forward alone): all of it is the forward's
+    alone = simulate(trace[:1], HW, "bfloat16")
+    assert alone["forward_s"] == pytest.approx(alone["step_s"]) and alone["backward_s"] == 0.0
 
 
 def test_offload_copies_on_the_compute_stream_are_exposed_and_the_host_overhead_shows_when_it_leads():
@@ -223,6 +238,14 @@ def test_a_projected_step_is_traced_with_its_streams_collectives_transfers_and_h
     assert any(o.stream == "host" and o.phase == "optimizer" for o in ops)  # AdamW on the host's copies
     t = record["time"]
     assert t["transfer_exposed_s"] > 0 and t["step_s"] == pytest.approx(sum(t[k] for k in BREAKDOWN))
+    # the backward's ops (the attention's backward, the reduce-scatters) follow every forward one: the loss is the
+    # forward's last work, the optimizer comes after both
+    step = [o for o in ops if o.phase == "step" and o.kind not in ("checkpoint", "sync")]
+    first = next(i for i, o in enumerate(step) if o.backward)
+    assert all(o.backward for o in step[first:] if o.stream == "compute" and o.kind != "h2d")
+    assert not any(o.backward for o in step[:first]) and any(o.kind == "attention_forward" for o in step[:first])
+    assert all(o.backward for o in ops if o.kind in ("attention_backward", "reduce_scatter"))
+    assert 0 < t["forward_s"] < t["forward_s"] + t["backward_s"] < t["step_s"]
     # across nodes (10 GB/s) the same step is slower than inside one (100 GB/s)
     inside = simulate([o._replace(crosses_nodes=False) for o in ops], HW, "bfloat16")
     assert inside["step_s"] < t["step_s"]

@@ -17,6 +17,9 @@ What overlaps what, as the code schedules it (trace.py names the streams):
 The step ends when every stream is done. The breakdown: `compute_s` (the compute stream busy with the model),
 `optimizer_s`, `comm_exposed_s` (the compute stream idle for a collective, and the tail after it),
 `transfer_exposed_s` (offload copies on the compute stream, and waits for them), `overhead_s` (idle for the host).
+Apart from it, where the step's parts begin on the compute stream, as a timer around each part would read them:
+`forward_s` (the step's start to its first backward op: the forward and the loss) and `backward_s` (from there to the
+optimizer step's first op: the backward, recomputed layers and the wait for the last gradient reduction included).
 """
 
 from __future__ import annotations
@@ -124,6 +127,7 @@ def simulate(ops: list[Op], hw: Hardware, dtype: str) -> dict:
     ag_gate = 0.0
     in_optimizer = False
     busy: list[tuple[float, float]] = []  # the collectives' (start, end): NCCL's kernels hold SMs meanwhile
+    began: dict[str, float] = {}  # "backward", "optimizer": when the compute stream's first op of that part starts
     for op in ops:
         if op.kind == "sync":  # the host waits for the GPU
             clock["cpu"] = max(clock["cpu"], clock["compute"])
@@ -151,6 +155,9 @@ def simulate(ops: list[Op], hw: Hardware, dtype: str) -> dict:
             if op.stream != "host" and op.kind not in ("h2d", "d2h") and busy:
                 busy = [b for b in busy if b[1] > start] if len(busy) > 64 else busy
                 dur = _beside_collectives(start, dur, busy, hw.nccl_sm_fraction)
+            part = "optimizer" if op.phase == "optimizer" else "backward" if op.backward else None
+            if part is not None:
+                began.setdefault(part, start)
             gap = start - clock["compute"]
             if gap > 0:
                 out["overhead_s" if clock["cpu"] >= dep else f"{why}_exposed_s"] += gap
@@ -168,7 +175,10 @@ def simulate(ops: list[Op], hw: Hardware, dtype: str) -> dict:
             ready[key] = (end, made_by)
     end = max(clock[s] for s in ("compute", *COMM_STREAMS))
     out["comm_exposed_s"] += end - clock["compute"]  # the tail: the last reductions after the last kernel
-    return {"step_s": end, **out, "comm_s": comm_s, "executed_flops": flops,
+    optimizer_at = began.get("optimizer", end)
+    backward_at = min(began.get("backward", optimizer_at), optimizer_at)
+    return {"step_s": end, **out, "forward_s": backward_at, "backward_s": optimizer_at - backward_at,
+            "comm_s": comm_s, "executed_flops": flops,
             "attention_kernels": attention_kernels(ops, hw), "floor_s": floor_seconds(ops, hw, dtype)}
 
 

@@ -52,6 +52,7 @@ class Op(NamedTuple):
     shape: tuple = ()
     tensors: int = 1  # the tensors the op takes (a foreach op: its lists'): its host cost in the optimizer step
     strided: bool = False  # an element-wise op reading or writing a strided view (timing.py: memory_strided)
+    backward: bool = False  # dispatched by autograd's backward pass (timing.py: where the forward ends)
 
 
 _FREE_PREFIXES = ("profiler.", "prim.", "fsdp.copy_")  # bookkeeping ops and queries: no kernel
@@ -133,7 +134,7 @@ class StepTrace(TorchDispatchMode):
 
     def _moved(self, direction: str, nbytes: int, what: str) -> None:
         stream = {"params": "ag", "grads": "rs"}.get(what, "compute")
-        self.ops.append(Op(stream, direction, self.phase, 0.0, float(nbytes), (), ()))
+        self.ops.append(Op(stream, direction, self.phase, 0.0, float(nbytes), (), (), backward=_in_backward()))
 
     def optimizer_hooks(self, optimizer):
         """Marks the optimizer step's ops (its own share of the breakdown); returns the hook handles."""
@@ -167,7 +168,8 @@ class StepTrace(TorchDispatchMode):
                 backward = torch._C._current_graph_task_id()
                 if self._entered and backward != -1 and (id(layer), backward) not in replayed:
                     replayed.add((id(layer), backward))
-                    self.ops.append(Op("compute", "replay", self.phase, 0.0, 0.0, (), (), name=type(layer).__name__))
+                    self.ops.append(Op("compute", "replay", self.phase, 0.0, 0.0, (), (), name=type(layer).__name__,
+                                       backward=True))
             return hook
 
         layers = recomputed_layers(model)
@@ -232,13 +234,14 @@ class StepTrace(TorchDispatchMode):
             kind = f"attention{family}_{spec.direction}"
         else:
             kind, flops = "memory", 0.0
-        moved = work.moved_bytes(name, args, kwargs, inputs, written,
-                                 backward=torch._C._current_graph_task_id() != -1)
+        backward = _in_backward()
+        moved = work.moved_bytes(name, args, kwargs, inputs, written, backward=backward)
         if name == "fsdp.all_gather_copy_in":
             self._onto_copy_in_stream(_tensors(args[0]))
         self.ops.append(Op(stream, kind, self.phase, float(flops), float(moved), reads, writes, name=name,
                            shape=shape + (work.tensor_bytes(outputs[0]),) if kind == "gemm" and outputs else shape,
-                           tensors=len(inputs), strided=kind == "memory" and _strided(inputs, written)))
+                           tensors=len(inputs), strided=kind == "memory" and _strided(inputs, written),
+                           backward=backward))
         for key in writes:
             self._stream_of[key] = stream
             self._writer[key] = len(self.ops) - 1
@@ -277,9 +280,15 @@ class StepTrace(TorchDispatchMode):
         # the received block waits for it; the send is free.
         nbytes = _nbytes(written) if receive else 0 if send else _nbytes(sent)
         self.ops.append(Op(stream, kind, self.phase, 0.0, float(nbytes), reads, tuple({self._key(t) for t in written}),
-                           size, len(nodes) > 1))
+                           size, len(nodes) > 1, backward=_in_backward()))
         for t in written:
             self._stream_of[self._key(t)] = stream
+
+
+def _in_backward() -> bool:
+    """Whether autograd's engine is running a backward pass here (its graph task: the backward's own ops, a
+    recomputed layer's replay, the hooks it runs)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def _mutated(func, args, kwargs) -> list[torch.Tensor]:

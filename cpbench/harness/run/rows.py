@@ -141,7 +141,8 @@ def projected_time_columns(records: list[dict], flops: float, point: Point) -> d
         return {}
     slowest = max(times, key=lambda t: t["step_s"])
     step_s = slowest["step_s"]
-    parts = ("compute_s", "optimizer_s", "comm_exposed_s", "transfer_exposed_s", "overhead_s", "comm_s")
+    parts = ("compute_s", "optimizer_s", "comm_exposed_s", "transfer_exposed_s", "overhead_s", "comm_s", "forward_s",
+             "backward_s")
     per_rank = {}
     if len(times) == len(records):  # every rank's projected step (a rank that was not projected repeats its stand-in)
         steps = [t["step_s"] for t in times]
@@ -151,7 +152,7 @@ def projected_time_columns(records: list[dict], flops: float, point: Point) -> d
     kernels = {"attention_kernels": slowest["attention_kernels"]} if slowest.get("attention_kernels") else {}
     pricing = {"projected_pricing": slowest["pricing"]} if slowest.get("pricing") else {}
     return {"gpu_profile": slowest["gpu"], "projected_step_s": step_s, **per_rank, **kernels, **pricing,
-            **{f"projected_{k}": slowest[k] for k in parts},
+            **{f"projected_{k}": slowest.get(k) for k in parts},
             "projected_tokens_per_s": point.seq_len * point.batch_size * _dp(point) / step_s,
             "projected_mfu": flops / point.world_size / step_s / slowest["peak_flops"]}
 

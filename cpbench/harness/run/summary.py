@@ -64,7 +64,7 @@ def projected_table(df) -> str:
     unit = {c: byte_unit(r.get(c) for r in records) for c in byte_cols}
     timed = any(_number(r.get("projected_step_s")) for r in records)
     if timed:
-        header += ["step", "compute", "comm exp.", "xfer exp.", "optim.", "tok/s/GPU", "MFU"]
+        header += ["step", "compute", "comm exp.", "xfer exp.", "optim.", "fwd | bwd", "tok/s/GPU", "MFU"]
     notes, lines = _Notes(), []
     for r in records:
         status = r["status"] if r["status"] == "ok" else notes.mark(r["status"], r.get("status_detail"))
@@ -78,7 +78,8 @@ def projected_table(df) -> str:
     if timed:
         gpus = sorted({r["gpu_profile"] for r in records if isinstance(r.get("gpu_profile"), str)})
         table += (f"\ntime projected on {', '.join(gpus)} (timing.py): step = compute + exposed communication + "
-                  "exposed host<->device copies + optimizer + host overhead")
+                  "exposed host<->device copies + optimizer + host overhead; fwd | bwd: the forward's (with the loss) "
+                  "and the backward's time on the compute stream, as a timer around each reads it")
     return notes.below(table)
 
 
@@ -89,10 +90,12 @@ def _number(value) -> bool:
 def _time_cells(r: dict) -> list[str]:
     step = r.get("projected_step_s")
     if not _number(step):
-        return [""] * 7
+        return [""] * 8
     parts = [seconds(r.get(f"projected_{k}_s")) for k in ("compute", "comm_exposed", "transfer_exposed", "optimizer")]
+    forward, backward = r.get("projected_forward_s"), r.get("projected_backward_s")
+    split = f"{seconds(forward)} | {seconds(backward)}" if _number(forward) and _number(backward) else "-"
     per_gpu = r["projected_tokens_per_s"] / r["world_size"]
-    return [seconds(step), *parts, sig(per_gpu), f"{100 * r['projected_mfu']:.1f}%"]
+    return [seconds(step), *parts, split, sig(per_gpu), f"{100 * r['projected_mfu']:.1f}%"]
 
 
 class _Notes:

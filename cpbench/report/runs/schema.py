@@ -24,7 +24,9 @@ import pyarrow as pa
 #    older file is read with them null, or with DEFAULTS for the two that identify a point.
 # 10: the zigzag ring's placement (`balance`: documents or sequence), which identifies a point (an older file's rows
 #     ran the default, "documents").
-SCHEMA_VERSION = 10
+# 11: a projected step's forward and backward times (`projected_forward_s`, `projected_backward_s`). Only columns
+#     were added: an older file is read with them null.
+SCHEMA_VERSION = 11
 MEASUREMENTS = ("measured", "projected")
 
 STATUSES = ("ok", "oom", "error", "timeout", "skipped")
@@ -168,6 +170,10 @@ COLUMNS: dict[str, tuple[pa.DataType, str]] = {
     "projected_transfer_exposed_s": (pa.float64(), "of it: offload copies on the compute stream, and waits for them"),
     "projected_overhead_s": (pa.float64(), "of it: compute idle for the host dispatching ops"),
     "projected_comm_s": (pa.float64(), "collectives' busy time, overlapped or not"),
+    "projected_forward_s": (pa.float64(), "the step's start to its first backward kernel (the forward and the loss), "
+                            "as a timer around the forward reads it (apart from the breakdown)"),
+    "projected_backward_s": (pa.float64(), "from there to the optimizer step's first kernel (the backward, replayed "
+                             "layers, the wait for the last gradient reduction)"),
     "projected_tokens_per_s": (pa.float64(), "tokens of the global batch per projected second"),
     "projected_mfu": (pa.float64(), "model FLOPs utilisation at the projected step time, against the profile's peak"),
     "projected_pricing": (pa.string(), "how a projection priced the step: eager (each op) or fused (a compiled "
@@ -205,11 +211,12 @@ COLUMNS: dict[str, tuple[pa.DataType, str]] = {
 # version -> the columns added after it (a file of that version is read with them null)
 _V9 = ("documents", "compile", "step_time_per_rank_s", "slowest_rank", "attention_pairs", "attention_pairs_per_rank",
        "attention_imbalance", "attention_kernels", "graph_breaks", "recompiles", "compile_s", "projected_pricing")
+_V11 = ("projected_forward_s", "projected_backward_s")
 ADDED_IN = {8: [name for name in COLUMNS if (name == "gpu_profile" or name.startswith("projected_"))
-                and name not in _V9],
-            9: list(_V9), 10: ["balance"]}
+                and name not in _V9 + _V11],
+            9: list(_V9), 10: ["balance"], 11: list(_V11)}
 # version -> the columns added after it (a file of that version is read with them null, or with DEFAULTS)
-ADDED_SINCE = {v: [name for later, names in ADDED_IN.items() if later > v for name in names] for v in (7, 8, 9)}
+ADDED_SINCE = {v: [name for later, names in ADDED_IN.items() if later > v for name in names] for v in (7, 8, 9, 10)}
 # What an older file's rows had, for the added columns that identify a point: it holds no documents, no compile.
 DEFAULTS = {"documents": "none", "compile": "off", "balance": "documents"}
 
