@@ -88,6 +88,11 @@ for seq in 8192 32768 65536; do
   est "mleng-h200-8b-offload-$((seq / 1024))k" --model llama-3-8b --seq "$seq" --cp 1 --world-size 8 --mixed-precision \
     --recompute --offload-params --loss chunked --gpu "$H200_FA3"
 done
+# the same table on B200s (flash-attn-4): the B200 / H200 speedup by length (orderings.toml)
+for seq in 8192 32768 65536; do
+  est "mleng-b200-8b-offload-$((seq / 1024))k" --model llama-3-8b --seq "$seq" --cp 1 --world-size 8 --mixed-precision \
+    --recompute --offload-params --loss chunked --gpu "$B200_FA4"
+done
 # 1 x B200, torch 2.13, the model and AdamW in bf16 (no master weights), gradient checkpointing, SDPA (cuDNN there)
 est mleng-b200-1b-512 --model $MODELS/llama-3.2-1b --seq 512 --cp 1 --world-size 1 --recompute --gpu b200
 est mleng-b200-8b-8k --model llama-3-8b --seq 8192 --cp 1 --world-size 1 --recompute --gpu b200
