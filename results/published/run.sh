@@ -84,12 +84,12 @@ est mleng-h200-8b-8k --model llama-3-8b --seq 8192 --cp 1 --world-size 8 --mixed
 # the same on 8 x B200, FlashAttention-4
 est mleng-b200-8b-8k-zero2 --model llama-3-8b --seq 8192 --cp 1 --world-size 8 --mixed-precision --gpu "$B200_FA4"
 # the same, ZeRO-3 with the optimizer on the host, recompute, Liger: cpbench offloads the parameters too
-for seq in 8192 32768 65536; do
+for seq in 8192 32768 65536 131072; do
   est "mleng-h200-8b-offload-$((seq / 1024))k" --model llama-3-8b --seq "$seq" --cp 1 --world-size 8 --mixed-precision \
     --recompute --offload-params --loss chunked --gpu "$H200_FA3"
 done
 # the same table on B200s (flash-attn-4): the B200 / H200 speedup by length (orderings.toml)
-for seq in 8192 32768 65536; do
+for seq in 8192 32768 65536 131072; do
   est "mleng-b200-8b-offload-$((seq / 1024))k" --model llama-3-8b --seq "$seq" --cp 1 --world-size 8 --mixed-precision \
     --recompute --offload-params --loss chunked --gpu "$B200_FA4"
 done
