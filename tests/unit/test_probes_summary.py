@@ -48,3 +48,25 @@ def test_overrides_are_listed_once_and_rows_without_a_spec_render():
                        {"point_id": "plain/s1", "model": "plain", "status": "ok", "spec_json": float("nan")}])
     text = summary_table(df)
     assert text.count('m+abc123: model_overrides = {"num_hidden_layers": 3}') == 1 and "plain/s1" in text
+
+
+def test_a_projected_rows_time_cells_line_up_with_the_header_old_rows_included():
+    import pandas as pd
+
+    from cpbench.harness.run.summary import projected_table
+    from cpbench.report.units import seconds
+
+    timed = {"point_id": "new", "status": "ok", "peak_bytes": 2**30, "world_size": 2, "gpu_profile": "h100-sxm",
+             "projected_step_s": 0.5, "projected_compute_s": 0.4, "projected_comm_exposed_s": 0.05,
+             "projected_transfer_exposed_s": 0.0, "projected_optimizer_s": 0.05, "projected_forward_s": 0.15,
+             "projected_backward_s": 0.3, "projected_tokens_per_s": 8192.0, "projected_mfu": 0.4}
+    older = {**timed, "point_id": "v10", "projected_forward_s": None, "projected_backward_s": None}  # read as null
+    lines = projected_table(pd.DataFrame([timed, older])).splitlines()
+    header = lines[0].split()
+    at = header.index("fwd")  # "fwd | bwd": one column
+    assert header[at:at + 3] == ["fwd", "|", "bwd"] and header[-2:] == ["tok/s/GPU", "MFU"]
+    new_row, old_row = (next(line for line in lines if line.startswith(p)) for p in ("new", "v10"))
+    column = lines[0].index("fwd | bwd")
+    assert new_row[column:].startswith(f"{seconds(0.15)} | {seconds(0.3)}")
+    assert old_row[column:].startswith("- ")
+    assert new_row.rstrip().endswith("40.0%") and old_row.rstrip().endswith("40.0%")

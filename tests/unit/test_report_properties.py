@@ -26,7 +26,9 @@ from cpbench.cli import main
 from cpbench.report import derive, page, plots
 from cpbench.report.runs import examples, store
 from cpbench.report.runs.load import load_run
-from cpbench.report.runs.schema import KEY_COLUMNS, SCHEMA_VERSION
+from cpbench.report.runs.schema import ADDED_SINCE, KEY_COLUMNS, SCHEMA_VERSION
+
+VERSIONS = sorted(ADDED_SINCE) + [SCHEMA_VERSION]  # every version a file can be read at: older ones only add
 
 ROOT = Path(__file__).parents[2]
 NOTEBOOK = ROOT / "notebooks" / "analysis.ipynb"
@@ -74,8 +76,8 @@ def _listed(value) -> bool:
 
 
 def _versioned(max_points: int = MAX_POINTS):
-    """(version, rows): a run as a writer of schema version 7, 8 or today's wrote it."""
-    return st.sampled_from([7, 8, SCHEMA_VERSION]).flatmap(
+    """(version, rows): a run as a writer of any readable schema version (7 to today's) wrote it."""
+    return st.sampled_from(VERSIONS).flatmap(
         lambda v: examples.runs(max_points=max_points, schema_version=v).map(lambda rows: (v, rows)))
 
 
@@ -134,7 +136,7 @@ def pairs(draw, max_points: int = MAX_POINTS):
 
 @given(pair=pairs(), flags=st.lists(st.sampled_from(["--allow-hardware-mismatch", "--allow-measurement-mismatch",
                                                       "--allow-suite-mismatch", "--allow-schema-mismatch"]),
-                                    unique=True), version=st.sampled_from([7, 8, SCHEMA_VERSION]))
+                                    unique=True), version=st.sampled_from(VERSIONS))
 def test_compare_and_gate_never_raise_and_refuse_with_a_reason(pair, flags, version):
     with tempfile.TemporaryDirectory() as tmp:
         base = _write(pair[0], Path(tmp) / "base" / "s" / "r", version)

@@ -20,6 +20,7 @@ The step ends when every stream is done. The breakdown: `compute_s` (the compute
 Apart from it, where the step's parts begin on the compute stream, as a timer around each part would read them:
 `forward_s` (the step's start to its first backward op: the forward and the loss) and `backward_s` (from there to the
 optimizer step's first op: the backward, recomputed layers and the wait for the last gradient reduction included).
+The loss's gradient seed (`ones_like`, before autograd's engine starts) counts to the forward: one small kernel.
 """
 
 from __future__ import annotations

@@ -78,8 +78,9 @@ def projected_table(df) -> str:
     if timed:
         gpus = sorted({r["gpu_profile"] for r in records if isinstance(r.get("gpu_profile"), str)})
         table += (f"\ntime projected on {', '.join(gpus)} (timing.py): step = compute + exposed communication + "
-                  "exposed host<->device copies + optimizer + host overhead; fwd | bwd: the forward's (with the loss) "
-                  "and the backward's time on the compute stream, as a timer around each reads it")
+                  "exposed host<->device copies + optimizer + host overhead; fwd | bwd: what a timer around the "
+                  "forward (with the loss) and around the backward (with the wait for its last gradient reduction) "
+                  "reads; optim. is the optimizer's busy time, not the rest of the step")
     return notes.below(table)
 
 

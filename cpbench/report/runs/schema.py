@@ -170,9 +170,9 @@ COLUMNS: dict[str, tuple[pa.DataType, str]] = {
     "projected_transfer_exposed_s": (pa.float64(), "of it: offload copies on the compute stream, and waits for them"),
     "projected_overhead_s": (pa.float64(), "of it: compute idle for the host dispatching ops"),
     "projected_comm_s": (pa.float64(), "collectives' busy time, overlapped or not"),
-    "projected_forward_s": (pa.float64(), "the step's start to its first backward kernel (the forward and the loss), "
+    "projected_forward_s": (pa.float64(), "the step's start to its first backward op (the forward and the loss), "
                             "as a timer around the forward reads it (apart from the breakdown)"),
-    "projected_backward_s": (pa.float64(), "from there to the optimizer step's first kernel (the backward, replayed "
+    "projected_backward_s": (pa.float64(), "from there to the optimizer step's first op (the backward, replayed "
                              "layers, the wait for the last gradient reduction)"),
     "projected_tokens_per_s": (pa.float64(), "tokens of the global batch per projected second"),
     "projected_mfu": (pa.float64(), "model FLOPs utilisation at the projected step time, against the profile's peak"),
