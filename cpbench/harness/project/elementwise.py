@@ -23,6 +23,11 @@ squared log error of the predicted times.
 
     python -m cpbench.harness.project.elementwise        # prints every row, the fit and its error
 
+The same data times eager references on other GPUs, fitted the same way for their profiles: transformers'
+LlamaRMSNorm on an A100 SXM4 80GB (liger_a100_eager.csv, `--gpu a100-sxm`) and the torch Jensen-Shannon divergence
+of benchmark_jsd.py on a B200 (liger_b200_eager.csv, `--gpu b200 --keep-ramp`: its kernels move 0.5-4 GB each, too
+much for its rows to set a ramp of microseconds, so the profile's is kept).
+
 On another GPU, `python results/gpu/elementwise_bench.py OUT.csv` times the same modules at the same sizes there
 (CUDA events, the L2 cache cleared before each run, as do_bench does) and writes rows of the same form; then
 `python -m cpbench.harness.project.elementwise --data OUT.csv --gpu h200` fits that GPU's figures.
@@ -72,7 +77,40 @@ def _add_rms_norm(row: dict, cfg: dict, eps: float = 1e-6):
     return forward, (lambda out: torch.autograd.backward(out, (dy, ds))), [x, residual, weight]
 
 
-MODULES = {"relu_squared": _relu_squared, "megatron_swiglu": _swiglu, "fused_add_rms_norm": _add_rms_norm}
+def _llama_rms_norm(row: dict, cfg: dict):
+    """benchmark_rms_norm.py's `huggingface` provider as of its A100 rows (Liger-Kernel b5672a15): transformers'
+    LlamaRMSNorm on a bf16 (M, H) input, its weight an fp32 parameter (so its output is fp32); `full` backpropagates a
+    bf16 gradient, which autograd casts to the output's dtype."""
+    shape = (cfg["M"], int(row["x_value"]))
+    x = torch.randn(shape, dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.ones(shape[1], requires_grad=True)
+    dy = torch.randn(shape, dtype=torch.bfloat16)
+
+    def forward():
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + cfg["eps"])
+        return weight * h.to(torch.bfloat16)
+    return forward, (lambda out: out.backward(dy)), [x, weight]
+
+
+def _torch_jsd(row: dict, cfg: dict, beta: float = 0.5):
+    """benchmark_jsd.py's `torch` provider as of its B200 rows (Liger-Kernel ace042ec): the Jensen-Shannon divergence
+    of two fp32 log-distributions of (BT, V) through KLDivLoss(reduction="none", log_target=True), summed per row;
+    the input is a log_softmax made before the timed call, whose backward `full` runs too."""
+    tokens, vocab = int(row["x_value"]), cfg["vocab_size"]
+    leaf = torch.randn(tokens, vocab, requires_grad=True)
+    log_q, log_p = leaf.log_softmax(-1), torch.randn(tokens, vocab).log_softmax(-1)
+    kl = torch.nn.KLDivLoss(reduction="none", log_target=True)
+
+    def forward():
+        m = torch.lerp(torch.exp(log_q), torch.exp(log_p), beta)
+        loss = beta * kl(torch.log(m), log_p).sum(dim=-1) + (1 - beta) * kl(torch.log(m), log_q).sum(dim=-1)
+        return (loss / log_q.shape[0]).sum()
+    return forward, (lambda out: out.backward(torch.randn_like(out))), [leaf]
+
+
+MODULES = {"relu_squared": _relu_squared, "megatron_swiglu": _swiglu, "fused_add_rms_norm": _add_rms_norm,
+           "rms_norm": _llama_rms_norm, "jsd": _torch_jsd}
 
 
 def rows(mode: str = "forward", path: Path = DATA) -> list[dict]:
@@ -113,15 +151,18 @@ def _log_error(traced: list[tuple[dict, list]], hw: Hardware) -> float:
     return sum(math.log(predicted(ops, hw) / (float(r["y_value_50_ms"]) * 1e-3)) ** 2 for r, ops in traced)
 
 
-def fit(traced: list[tuple[dict, list]], hw: Hardware) -> dict:
+def fit(traced: list[tuple[dict, list]], hw: Hardware, keep_ramp: bool = False) -> dict:
     """The figures minimising the squared log error, on a grid no finer than their data (1 % of efficiency, 0.1 us):
     `memory` and `memory_ramp_s` over the rows whose kernels are all contiguous, then `memory_strided` (the same
-    ramp) over those with a strided kernel. Each with its RMS log error; a figure at the grid's edge says so."""
+    ramp) over those with a strided kernel. Each with its RMS log error; a figure at the grid's edge says so.
+    `keep_ramp`: the profile's ramp is kept, where every kernel of the rows is too large for them to set one."""
     def strided(ops):
         return any(o.strided for o in ops)
 
     plain, views = [t for t in traced if not strided(t[1])], [t for t in traced if strided(t[1])]
     efficiencies, ramps = [x / 100 for x in range(20, 101)], [round(x * 1e-7, 12) for x in range(0, 201)]
+    if keep_ramp:
+        ramps = [hw.memory_ramp_s]
     best = (math.inf, 0.0, 0.0)
     for e in efficiencies:
         for ramp in ramps:
@@ -129,9 +170,11 @@ def fit(traced: list[tuple[dict, list]], hw: Hardware) -> dict:
             best = min(best, (err, e, ramp))
     _, e, ramp = best
     at = dataclasses.replace(hw, memory_ramp_s=ramp).with_efficiency(memory=e)
-    err_s, e_s = min((_log_error(views, at.with_efficiency(memory_strided=x)), x) for x in efficiencies)
+    strided_grid = efficiencies if views else [hw.efficiency["memory_strided"]]  # no strided rows: the profile's
+    err_s, e_s = min((_log_error(views, at.with_efficiency(memory_strided=x)), x) for x in strided_grid)
     edges = [name for name, v, grid in (("memory", e, efficiencies), ("memory_ramp_s", ramp, ramps),
-                                        ("memory_strided", e_s, efficiencies)) if v in (grid[0], grid[-1])]
+                                        ("memory_strided", e_s, strided_grid))
+             if len(grid) > 1 and v in (grid[0], grid[-1])]
     return {"memory": e, "memory_ramp_s": ramp, "memory_strided": e_s, "at_grid_edge": edges,
             "rms_log_error": math.sqrt(best[0] / max(len(plain), 1)),
             "rms_log_error_strided": math.sqrt(err_s / max(len(views), 1)), "rows": (len(plain), len(views))}
@@ -142,15 +185,17 @@ def fitted_profile(hw: Hardware, figures: dict) -> Hardware:
         memory=figures["memory"], memory_strided=figures["memory_strided"])
 
 
-def report(hw: Hardware | None = None, path: Path = DATA) -> str:
+def report(hw: Hardware | None = None, path: Path = DATA, keep_ramp: bool = False) -> str:
     hw = hw or builtin()[PROFILE]
     traced = [(r, trace(r)) for r in rows("forward", path)]
-    f = fit(traced, hw)
+    f = fit(traced, hw, keep_ramp)
     fitted = fitted_profile(hw, f)
+    kept = " (kept: the profile's)"
     lines = [f"fit over {f['rows'][0]} rows of contiguous kernels: efficiency.memory = {f['memory']:.2f}, "
-             f"memory_ramp_s = {f['memory_ramp_s'] * 1e6:.1f} us (RMS log error {f['rms_log_error']:.3f}); over "
-             f"{f['rows'][1]} rows with a strided kernel: efficiency.memory_strided = {f['memory_strided']:.2f} "
-             f"(RMS log error {f['rms_log_error_strided']:.3f})",
+             f"memory_ramp_s = {f['memory_ramp_s'] * 1e6:.1f} us{kept if keep_ramp else ''} (RMS log error "
+             f"{f['rms_log_error']:.3f}); over {f['rows'][1]} rows with a strided kernel: efficiency.memory_strided = "
+             f"{f['memory_strided']:.2f}{kept if not f['rows'][1] else ''} (RMS log error "
+             f"{f['rms_log_error_strided']:.3f})",
              *([f"at the edge of the fit's grid (not a figure to trust): {', '.join(f['at_grid_edge'])}"]
                if f["at_grid_edge"] else []),
              "line  kernel               size    ops  MB moved  measured  fitted  shipped"]
@@ -174,5 +219,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="Fit the element-wise kernels' HBM figures to eager timings.")
     parser.add_argument("--data", default=str(DATA), help="rows as results/published/elementwise holds them")
     parser.add_argument("--gpu", default=PROFILE, help="the profile of the GPU the rows were timed on")
+    parser.add_argument("--keep-ramp", action="store_true",
+                        help="keep the profile's memory_ramp_s (rows whose kernels are all too large to set it)")
     args = parser.parse_args()
-    print(report(load(args.gpu), Path(args.data)), flush=True)
+    print(report(load(args.gpu), Path(args.data), args.keep_ramp), flush=True)

@@ -18,8 +18,8 @@ HOW = {
     "attention": _CALIBRATE + "; or the kernel's own benchmark (flash-attention's benchmarks/, cuDNN's frontend "
                               "samples) at causal, head dim 128, 16k tokens",
     "bf16_tflops": "a best-shape bf16 GEMM sweep on that card (ml-engineering's mamf-finder.py): its peak TFLOP/s",
-    "memory": "the eager modules of `python -m cpbench.harness.project.elementwise` (Liger-Kernel's benchmark scripts "
-              "relu_squared, megatron_swiglu, fused_add_rms_norm) timed on that GPU, and the same fit",
+    "memory": "the eager modules of `python -m cpbench.harness.project.elementwise` (Liger-Kernel's benchmark scripts' "
+              "eager references) timed on that GPU by `results/gpu/elementwise_bench.py`, and the same fit",
     "host": "torch's per-tensor AdamW on the host, timed over a model's parameters, against STREAM's triad",
     "host_gb_s": "STREAM (triad) on the GPU node's host with every socket, over the GPUs that share it",
     "inter_node": "nccl-tests all_reduce_perf across two nodes at 1-4 GiB: its bus bandwidth over the network peak",
