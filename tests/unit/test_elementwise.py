@@ -5,6 +5,7 @@ contiguous or broadcast one as torch's CUDA loop does."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -42,25 +43,28 @@ def test_the_fit_predicts_the_forward_and_backward_rows_it_was_not_fitted_on(fit
     assert sum(abs(x - 1) for x in ratios) < sum(abs(x - 1) for x in old) / 2  # what the figures replace
 
 
-OTHER_GPUS = {  # profile -> (its rows, whether the fit keeps the profile's ramp: kernels too large to set one)
-    "a100-sxm": (elementwise.DATA.with_name("liger_a100_eager.csv"), False),
-    "b200": (elementwise.DATA.with_name("liger_b200_eager.csv"), True),
+OTHER_GPUS = {  # profile -> (its rows, whether the fit keeps the profile's ramp: kernels too large to set one,
+    # the forward rows and the held-out forward-and-backward ones, their RMS log error at most)
+    "a100-sxm": (elementwise.DATA.with_name("liger_a100_eager.csv"), False, (6, 6), 0.1),
+    "b200": (elementwise.DATA.with_name("liger_b200_eager.csv"), True, (4, 4), 0.09),
 }
 
 
 @pytest.mark.parametrize("gpu", sorted(OTHER_GPUS))
 def test_other_profiles_hold_the_figures_fitted_to_their_own_gpus_rows(gpu):
-    path, keep_ramp = OTHER_GPUS[gpu]
+    path, keep_ramp, (fitted_rows, held_rows), held_error = OTHER_GPUS[gpu]
     hw = builtin()[gpu]
     traced = [(r, elementwise.trace(r)) for r in elementwise.rows("forward", path)]
     assert {r["gpu_name"] for r, _ in traced} == {hw.device_names[0]}  # the GPU the profile stands for
     f = elementwise.fit(traced, hw, keep_ramp=keep_ramp)
+    assert f["rows"] == (fitted_rows, 0)
     assert hw.efficiency["memory"] == f["memory"] and hw.memory_ramp_s == pytest.approx(f["memory_ramp_s"])
     assert f["at_grid_edge"] == [] and f["rms_log_error"] < 0.1
     assert hw.efficiency["memory"] < builtin()["h100-sxm"].efficiency["memory"]  # what the H100's figure overstated
     held_out = [(r, elementwise.trace(r)) for r in elementwise.rows("full", path)]
     ratios = [elementwise.predicted(ops, hw) / (float(r["y_value_50_ms"]) * 1e-3) for r, ops in held_out]
-    assert len(held_out) >= 4 and all(0.75 < x < 1.3 for x in ratios), ratios
+    assert len(held_out) == held_rows and all(0.75 < x < 1.3 for x in ratios), ratios
+    assert math.sqrt(sum(math.log(x) ** 2 for x in ratios) / len(ratios)) < held_error, ratios
 
 
 def test_a_kept_ramp_is_the_profiles_and_a_fitted_one_follows_the_data():

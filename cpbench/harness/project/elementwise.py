@@ -25,8 +25,8 @@ squared log error of the predicted times.
 
 The same data times eager references on other GPUs, fitted the same way for their profiles: transformers'
 LlamaRMSNorm on an A100 SXM4 80GB (liger_a100_eager.csv, `--gpu a100-sxm`) and the torch Jensen-Shannon divergence
-of benchmark_jsd.py on a B200 (liger_b200_eager.csv, `--gpu b200 --keep-ramp`: its kernels move 0.5-4 GB each, too
-much for its rows to set a ramp of microseconds, so the profile's is kept).
+of benchmark_jsd.py on a B200 (liger_b200_eager.csv, `--gpu b200 --keep-ramp`: its kernels move 0.5-12.6 GB each,
+too much for its rows to set a ramp of microseconds, so the profile's is kept).
 
 On another GPU, `python results/gpu/elementwise_bench.py OUT.csv` times the same modules at the same sizes there
 (CUDA events, the L2 cache cleared before each run, as do_bench does) and writes rows of the same form; then
@@ -80,25 +80,30 @@ def _add_rms_norm(row: dict, cfg: dict, eps: float = 1e-6):
 def _llama_rms_norm(row: dict, cfg: dict):
     """benchmark_rms_norm.py's `huggingface` provider as of its A100 rows (Liger-Kernel b5672a15): transformers'
     LlamaRMSNorm on a bf16 (M, H) input, its weight an fp32 parameter (so its output is fp32); `full` backpropagates a
-    bf16 gradient, which autograd casts to the output's dtype."""
+    bf16 gradient, which autograd casts to the output's dtype. The benchmark clears the input's gradient between runs,
+    not the weight's, so each timed run adds into it."""
     shape = (cfg["M"], int(row["x_value"]))
     x = torch.randn(shape, dtype=torch.bfloat16, requires_grad=True)
     weight = torch.ones(shape[1], requires_grad=True)
+    weight.grad = torch.zeros_like(weight)
     dy = torch.randn(shape, dtype=torch.bfloat16)
 
     def forward():
         h = x.to(torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + cfg["eps"])
         return weight * h.to(torch.bfloat16)
-    return forward, (lambda out: out.backward(dy)), [x, weight]
+    return forward, (lambda out: out.backward(dy)), [x]
 
 
 def _torch_jsd(row: dict, cfg: dict, beta: float = 0.5):
     """benchmark_jsd.py's `torch` provider as of its B200 rows (Liger-Kernel ace042ec): the Jensen-Shannon divergence
     of two fp32 log-distributions of (BT, V) through KLDivLoss(reduction="none", log_target=True), summed per row;
-    the input is a log_softmax made before the timed call, whose backward `full` runs too."""
+    the input is a log_softmax made before the timed call, whose backward `full` runs too. The benchmark clears that
+    input's gradient between runs (`grad_to_none=[_input]`, not a leaf), never the leaf's under it, so each timed run
+    adds its gradient into the leaf's (a (BT, V) fp32 add)."""
     tokens, vocab = int(row["x_value"]), cfg["vocab_size"]
     leaf = torch.randn(tokens, vocab, requires_grad=True)
+    leaf.grad = torch.zeros_like(leaf)
     log_q, log_p = leaf.log_softmax(-1), torch.randn(tokens, vocab).log_softmax(-1)
     kl = torch.nn.KLDivLoss(reduction="none", log_target=True)
 
@@ -106,7 +111,7 @@ def _torch_jsd(row: dict, cfg: dict, beta: float = 0.5):
         m = torch.lerp(torch.exp(log_q), torch.exp(log_p), beta)
         loss = beta * kl(torch.log(m), log_p).sum(dim=-1) + (1 - beta) * kl(torch.log(m), log_q).sum(dim=-1)
         return (loss / log_q.shape[0]).sum()
-    return forward, (lambda out: out.backward(torch.randn_like(out))), [leaf]
+    return forward, (lambda out: out.backward(torch.randn_like(out))), [log_q]
 
 
 MODULES = {"relu_squared": _relu_squared, "megatron_swiglu": _swiglu, "fused_add_rms_norm": _add_rms_norm,
@@ -191,11 +196,11 @@ def report(hw: Hardware | None = None, path: Path = DATA, keep_ramp: bool = Fals
     f = fit(traced, hw, keep_ramp)
     fitted = fitted_profile(hw, f)
     kept = " (kept: the profile's)"
+    strided_error = f"{f['rms_log_error_strided']:.3f}" if f["rows"][1] else "n/a"
     lines = [f"fit over {f['rows'][0]} rows of contiguous kernels: efficiency.memory = {f['memory']:.2f}, "
              f"memory_ramp_s = {f['memory_ramp_s'] * 1e6:.1f} us{kept if keep_ramp else ''} (RMS log error "
              f"{f['rms_log_error']:.3f}); over {f['rows'][1]} rows with a strided kernel: efficiency.memory_strided = "
-             f"{f['memory_strided']:.2f}{kept if not f['rows'][1] else ''} (RMS log error "
-             f"{f['rms_log_error_strided']:.3f})",
+             f"{f['memory_strided']:.2f}{kept if not f['rows'][1] else ''} (RMS log error {strided_error})",
              *([f"at the edge of the fit's grid (not a figure to trust): {', '.join(f['at_grid_edge'])}"]
                if f["at_grid_edge"] else []),
              "line  kernel               size    ops  MB moved  measured  fitted  shipped"]
