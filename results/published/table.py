@@ -6,6 +6,8 @@ beside it; where it times parts of the step (`parts`), a third sets the projecte
 import tomllib
 from pathlib import Path
 
+import pandas as pd
+
 from cpbench.report.runs import store
 
 HERE = Path(__file__).parent
@@ -40,7 +42,8 @@ def main() -> None:
     lines = ["| measurement | configuration | tokens/GPU | measured | projected | error | notes |",
              "|---|---|---|---|---|---|---|"]
     judged = []  # (|error|, short)
-    for name, m in tomllib.loads((HERE / "measurements.toml").read_text()).items():
+    measurements = tomllib.loads((HERE / "measurements.toml").read_text())
+    for name, m in measurements.items():
         value, note = projected(name, m["unit"])
         cell = _cell(value, m["unit"]) if value is not None else "-"
         error = f"{100 * (value / m['measured'] - 1):+.0f} %" if value is not None else "-"
@@ -59,8 +62,7 @@ def main() -> None:
                      f"measurements (largest {100 * max(errors):.0f} %); {100 * sum(short) / len(short):.1f} % over the "
                      f"{len(short)} of them at <= 64k tokens per GPU, {100 * sum(long) / len(long):.1f} % over the "
                      f"{len(long)} above.")
-    lines += peaks(tomllib.loads((HERE / "measurements.toml").read_text()))
-    lines += parts(tomllib.loads((HERE / "measurements.toml").read_text()))
+    lines += peaks(measurements) + parts(measurements)
     (HERE / "table.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
@@ -90,10 +92,10 @@ PARTS = {"forward_s": "forward", "forward_backward_s": "forward + backward", "op
 
 
 def projected_parts(row) -> dict:
-    """A projected row's parts as timers around them read them (timing.simulate: `forward_s`, `backward_s`); None
-    for a row projected before they were recorded."""
+    """A projected row's parts as timers around them read them (timing.simulate: `forward_s`, `backward_s`); none
+    for a row projected before they were recorded (schema 10 and older: null)."""
     forward, backward = row.get("projected_forward_s"), row.get("projected_backward_s")
-    if forward is None or backward is None or forward != forward or backward != backward:
+    if pd.isna(forward) or pd.isna(backward):
         return {}
     return {"forward_s": forward, "forward_backward_s": forward + backward,
             "optimizer_s": row["projected_step_s"] - forward - backward}
@@ -103,6 +105,10 @@ def parts(measurements: dict) -> list[str]:
     """The parts of a step a source times apart (`parts`), beside the projection's: where a step's error sits."""
     lines = ["\n| measurement | part | measured | projected | error |", "|---|---|---|---|---|"]
     for name, m in measurements.items():
+        unknown = sorted(set(m.get("parts", {})) - set(PARTS))
+        if unknown:
+            raise ValueError(f"measurements.toml [{name}] parts: {unknown} is not a part this table knows; use "
+                             f"{sorted(PARTS)} (seconds)")
         row = _row(name) if "parts" in m else None
         projected_ = projected_parts(row) if row is not None else {}
         for part, measured in m.get("parts", {}).items():

@@ -78,3 +78,9 @@ def test_the_parts_a_source_times_apart_are_projected_and_add_up_to_the_step():
         # the step beyond the forward and backward
         assert parts["optimizer_s"] >= row["projected_optimizer_s"] * (1 - 1e-9) > 0, name
     assert len(table.parts(rows)) == 2 + sum(len(m["parts"]) for m in rows.values())  # a line for every part
+
+
+def test_a_part_the_table_does_not_know_is_refused_with_the_known_ones():
+    table = _table_script()
+    with pytest.raises(ValueError, match=r"\[x\] parts: \['backward_s'\] is not a part.*'forward_backward_s'"):
+        table.parts({"x": {"parts": {"backward_s": 0.1}}})
