@@ -1,4 +1,5 @@
-"""The multi-rank test spawner surfaces a child's traceback and kills hung ranks."""
+"""The multi-rank test spawner surfaces a child's traceback and kills hung ranks; a rank killed by a signal leaves
+its Python stacks in the report and its spawn is run once more (twice is a failure)."""
 
 import time
 
@@ -32,6 +33,38 @@ def _rank_1_fails_while_rank_0_waits_for_it():
     return "unreachable"
 
 
+def _segfaults_on_rank_1_in_a_named_function():
+    import faulthandler
+    import os
+
+    if os.environ["RANK"] == "1":
+        faulthandler._sigsegv()  # a real SIGSEGV, as a crashing kernel raises it
+    return "fine"
+
+
+def _segfaults_on_rank_1_the_first_time(marker: str):
+    import faulthandler
+    import os
+    from pathlib import Path
+
+    if os.environ["RANK"] == "1" and not Path(marker).exists():
+        Path(marker).touch()
+        faulthandler._sigsegv()
+    return os.environ["RANK"]
+
+
+def _rank_1_segfaults_while_rank_0_waits_for_it():
+    import faulthandler
+    import os
+
+    import torch.distributed as dist
+
+    if os.environ["RANK"] == "1":
+        faulthandler._sigsegv()
+    dist.init_process_group("gloo")  # waits for rank 1, which never comes
+    return "unreachable"
+
+
 def _hangs_on_rank_0():
     import os
 
@@ -49,6 +82,25 @@ def test_child_traceback_is_raised():
         run_ranks(_fails_on_rank_1, 2)
 
 
+def test_a_rank_killed_by_a_signal_every_time_reports_its_exit_code_and_python_stack_from_both_tries():
+    with pytest.raises(RankFailure, match=r"(?s)rank 1 exited with code -11 and no result; its stacks when it died:"
+                                          r".*Segmentation fault.*_segfaults_on_rank_1_in_a_named_function"
+                                          r".*on the second try; the first said:.*rank 1 exited with code -11"):
+        run_ranks(_segfaults_on_rank_1_in_a_named_function, 2)
+
+
+def test_a_rank_killed_by_a_signal_once_is_run_again_and_the_first_report_printed(tmp_path, capsys):
+    assert run_ranks(_segfaults_on_rank_1_the_first_time, 2, str(tmp_path / "crashed-once")) == ["0", "1"]
+    err = capsys.readouterr().err
+    assert "a rank was killed by a signal; once more" in err and "_segfaults_on_rank_1_the_first_time" in err
+
+
+def test_a_rank_that_raises_is_not_run_again():
+    with pytest.raises(RankFailure) as failure:
+        run_ranks(_fails_on_rank_1, 2)
+    assert not failure.value.signalled and "second try" not in str(failure.value)
+
+
 def test_hung_rank_is_killed_and_reported():
     # One rank, so the message does not depend on how fast a second rank starts on a loaded machine (the mixed
     # case, one rank failing while its peer waits, is the next test).
@@ -61,3 +113,9 @@ def test_a_failed_rank_stops_its_blocked_peer_without_waiting_for_the_timeout():
     with pytest.raises(RankFailure, match=r"(?s)rank 1 raised:.*deliberate failure.*ranks \[0\] were stopped"):
         run_ranks(_rank_1_fails_while_rank_0_waits_for_it, 2, timeout=600)
 
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_killed_by_a_signal_stops_its_blocked_peer_without_waiting_for_the_timeout():
+    with pytest.raises(RankFailure, match=r"(?s)rank 1 exited with code -11.*ranks \[0\] were stopped"):
+        run_ranks(_rank_1_segfaults_while_rank_0_waits_for_it, 2, timeout=600)
