@@ -88,17 +88,23 @@ def peaks(measurements: dict) -> list[str]:
     return lines if len(lines) > 2 else []
 
 
-PARTS = {"forward_s": "forward", "forward_backward_s": "forward + backward", "optimizer_s": "optimizer step"}
+PARTS = {"forward_s": "forward", "forward_backward_s": "forward + backward", "optimizer_s": "optimizer step",
+         "attention_s": "attention kernels (share of one clock)", "rest_s": "everything else (share of one clock)"}
 
 
 def projected_parts(row) -> dict:
-    """A projected row's parts as timers around them read them (timing.simulate: `forward_s`, `backward_s`); none
-    for a row projected before they were recorded (schema 10 and older: null)."""
+    """A projected row's parts as timers around them read them (timing.simulate: `forward_s`, `backward_s`), and
+    the step split by its attention kernels' share of the GPU's kernel time (`attention_s`) as a profiler splits
+    one; none for a row projected before they were recorded (older schemas: null)."""
+    out = {}
     forward, backward = row.get("projected_forward_s"), row.get("projected_backward_s")
-    if pd.isna(forward) or pd.isna(backward):
-        return {}
-    return {"forward_s": forward, "forward_backward_s": forward + backward,
-            "optimizer_s": row["projected_step_s"] - forward - backward}
+    if not (pd.isna(forward) or pd.isna(backward)):
+        out.update(forward_s=forward, forward_backward_s=forward + backward,
+                   optimizer_s=row["projected_step_s"] - forward - backward)
+    attention = row.get("projected_attention_s")
+    if not pd.isna(attention):
+        out.update(attention_s=attention, rest_s=row["projected_step_s"] - attention)
+    return out
 
 
 def parts(measurements: dict) -> list[str]:

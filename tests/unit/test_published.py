@@ -68,15 +68,20 @@ def test_the_parts_a_source_times_apart_are_projected_and_add_up_to_the_step():
     for name, m in rows.items():
         measured = m["parts"]
         assert set(measured) <= set(table.PARTS), name
-        if {"forward_backward_s", "optimizer_s"} <= set(measured):  # the entry agrees with the source's own step
-            assert measured["forward_backward_s"] + measured["optimizer_s"] == pytest.approx(m["measured"], rel=1e-3)
+        for whole in (("forward_backward_s", "optimizer_s"), ("attention_s", "rest_s")):
+            if set(whole) <= set(measured):  # the entry agrees with the source's own step
+                assert sum(measured[k] for k in whole) == pytest.approx(m["measured"], rel=1e-3), name
         (run,) = (PUBLISHED / "runs").glob(f"*/{name}/runs.parquet")
         row = store.read_run(run).iloc[0]
         parts = table.projected_parts(row)
+        assert set(measured) <= set(parts), f"{name}: the run was projected before these parts were recorded"
         assert 0 < parts["forward_s"] < parts["forward_backward_s"] < row["projected_step_s"], name
         # what follows the backward holds the optimizer step's own kernels (the breakdown's part), and no more than
         # the step beyond the forward and backward
         assert parts["optimizer_s"] >= row["projected_optimizer_s"] * (1 - 1e-9) > 0, name
+        # the attention kernels' share of one clock: some of the step, never all of it
+        assert 0 < parts["attention_s"] < parts["rest_s"] and parts["attention_s"] + parts["rest_s"] == pytest.approx(
+            row["projected_step_s"]), name
     assert len(table.parts(rows)) == 2 + sum(len(m["parts"]) for m in rows.values())  # a line for every part
 
 

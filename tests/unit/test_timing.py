@@ -144,6 +144,22 @@ def test_the_forward_and_backward_times_are_what_timers_around_them_read():
     assert alone["forward_s"] == pytest.approx(alone["step_s"]) and alone["backward_s"] == 0.0
 
 
+def test_the_attention_share_splits_the_step_by_the_gpus_kernel_time_without_collectives():
+    # compute: 1 ms gemm, 1 ms attention forward (40 TFLOP/s effective: 100e12 * 0.4), 2 ms gemm; a 1 ms all-gather
+    # on its own stream overlaps them (left out, as a profiler's NCCL kernels are); the step is 4 ms
+    trace = [op("gemm", flops=50e12 * 1e-3, writes=[1]),
+             op("all_gather", "ag", nbytes=100e6, group=2),  # 100 MB at 100 GB/s: 1 ms, hidden under the compute
+             op("attention_forward", flops=40e12 * 1e-3, reads=[1], writes=[2]),
+             op("gemm", flops=50e12 * 2e-3, reads=[2])]
+    t = simulate(trace, HW, "bfloat16")
+    assert t["step_s"] == pytest.approx(4e-3) and t["comm_exposed_s"] == pytest.approx(0.0)
+    assert t["attention_s"] == pytest.approx(4e-3 * 1 / 4)
+    # an exposed collective lengthens the step, and the split carries it by the kernels' shares (one clock)
+    slow = simulate([*trace, op("all_reduce", "nccl", nbytes=400e6, reads=[5], group=2)], HW, "bfloat16")
+    assert slow["step_s"] > t["step_s"] and slow["attention_s"] == pytest.approx(slow["step_s"] / 4)
+    assert simulate(trace[1:2], HW, "bfloat16")["attention_s"] == 0.0  # no kernel but a collective's
+
+
 def test_offload_copies_on_the_compute_stream_are_exposed_and_the_host_overhead_shows_when_it_leads():
     trace = [op("d2h", nbytes=1e8), op("gemm", flops=50e12 * 1e-4)]  # 10 ms over PCIe, then 100 us
     t = simulate(trace, HW, "bfloat16")

@@ -21,6 +21,9 @@ Apart from it, where the step's parts begin on the compute stream, as a timer ar
 `forward_s` (the step's start to its first backward op: the forward and the loss) and `backward_s` (from there to the
 optimizer step's first op: the backward, recomputed layers and the wait for the last gradient reduction included).
 The loss's gradient seed (`ones_like`, before autograd's engine starts) counts to the forward: one small kernel.
+And `attention_s`: the step's time times the attention kernels' share of the GPU's kernel time, collectives left
+out (they overlap): how a profiler splits one measured step into attention and everything else on a single clock
+(ml-engineering's insights/when-to-upgrade-gpus/bench_decompose.py), so a published split can be set beside it.
 """
 
 from __future__ import annotations
@@ -129,6 +132,7 @@ def simulate(ops: list[Op], hw: Hardware, dtype: str) -> dict:
     in_optimizer = False
     busy: list[tuple[float, float]] = []  # the collectives' (start, end): NCCL's kernels hold SMs meanwhile
     began: dict[str, float] = {}  # "backward", "optimizer": when the compute stream's first op of that part starts
+    kernels = {"all": 0.0, "attention": 0.0}  # the GPU's kernel time, collectives left out (attention_s)
     for op in ops:
         if op.kind == "sync":  # the host waits for the GPU
             clock["cpu"] = max(clock["cpu"], clock["compute"])
@@ -148,6 +152,7 @@ def simulate(ops: list[Op], hw: Hardware, dtype: str) -> dict:
                 comm_s += dur
                 busy.append((end - dur, end))
             made_by = "transfer" if op.kind in ("h2d", "d2h") else "comm"
+            kernels["all"] += 0.0 if op.kind in COLLECTIVE_KINDS else dur
         else:
             if op.phase == "optimizer" and not in_optimizer:  # FSDP2's root waits for the last reduction
                 in_optimizer = True
@@ -169,6 +174,9 @@ def simulate(ops: list[Op], hw: Hardware, dtype: str) -> dict:
             bucket = ("optimizer_s" if op.phase == "optimizer" else
                       "transfer_exposed_s" if op.kind in ("h2d", "d2h") else "compute_s")
             out[bucket] += dur
+            if op.stream != "host":
+                kernels["all"] += dur
+                kernels["attention"] += dur if op.kind.startswith("attention") else 0.0
             made_by = "transfer" if op.kind in ("h2d", "d2h") else "compute"
             if op.kind == "copy_out":
                 ag_gate = end
@@ -178,8 +186,9 @@ def simulate(ops: list[Op], hw: Hardware, dtype: str) -> dict:
     out["comm_exposed_s"] += end - clock["compute"]  # the tail: the last reductions after the last kernel
     optimizer_at = began.get("optimizer", end)
     backward_at = min(began.get("backward", optimizer_at), optimizer_at)
+    attention_s = end * kernels["attention"] / kernels["all"] if kernels["all"] else 0.0
     return {"step_s": end, **out, "forward_s": backward_at, "backward_s": optimizer_at - backward_at,
-            "comm_s": comm_s, "executed_flops": flops,
+            "attention_s": attention_s, "comm_s": comm_s, "executed_flops": flops,
             "attention_kernels": attention_kernels(ops, hw), "floor_s": floor_seconds(ops, hw, dtype)}
 
 

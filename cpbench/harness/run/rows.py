@@ -142,7 +142,7 @@ def projected_time_columns(records: list[dict], flops: float, point: Point) -> d
     slowest = max(times, key=lambda t: t["step_s"])
     step_s = slowest["step_s"]
     parts = ("compute_s", "optimizer_s", "comm_exposed_s", "transfer_exposed_s", "overhead_s", "comm_s", "forward_s",
-             "backward_s")
+             "backward_s", "attention_s")
     per_rank = {}
     if len(times) == len(records):  # every rank's projected step (a rank that was not projected repeats its stand-in)
         steps = [t["step_s"] for t in times]

@@ -256,6 +256,7 @@ def _projected_time(rng, row: dict) -> dict:
             "projected_comm_exposed_s": float(parts[2]), "projected_transfer_exposed_s": float(parts[3]),
             "projected_overhead_s": float(parts[4]), "projected_comm_s": float(parts[2] * 2),
             "projected_forward_s": float(parts[0] / 3), "projected_backward_s": float(parts[0] * 2 / 3 + parts[2]),
+            "projected_attention_s": float(parts[0] / 4),
             "projected_tokens_per_s": row["seq_len"] / step, "projected_mfu": float(rng.uniform(0, 0.7))}
 
 

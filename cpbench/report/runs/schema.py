@@ -26,7 +26,9 @@ import pyarrow as pa
 #     ran the default, "documents").
 # 11: a projected step's forward and backward times (`projected_forward_s`, `projected_backward_s`). Only columns
 #     were added: an older file is read with them null.
-SCHEMA_VERSION = 11
+# 12: a projected step's attention share on one clock (`projected_attention_s`). Only a column was added: an older
+#     file is read with it null.
+SCHEMA_VERSION = 12
 MEASUREMENTS = ("measured", "projected")
 
 STATUSES = ("ok", "oom", "error", "timeout", "skipped")
@@ -174,6 +176,8 @@ COLUMNS: dict[str, tuple[pa.DataType, str]] = {
                             "as a timer around the forward reads it (apart from the breakdown)"),
     "projected_backward_s": (pa.float64(), "from there to the optimizer step's first op (the backward, replayed "
                              "layers, the wait for the last gradient reduction)"),
+    "projected_attention_s": (pa.float64(), "the step's time times the attention kernels' share of the GPU's "
+                              "kernel time, collectives left out: a profiler's single-clock split (timing.py)"),
     "projected_tokens_per_s": (pa.float64(), "tokens of the global batch per projected second"),
     "projected_mfu": (pa.float64(), "model FLOPs utilisation at the projected step time, against the profile's peak"),
     "projected_pricing": (pa.string(), "how a projection priced the step: eager (each op) or fused (a compiled "
@@ -212,11 +216,13 @@ COLUMNS: dict[str, tuple[pa.DataType, str]] = {
 _V9 = ("documents", "compile", "step_time_per_rank_s", "slowest_rank", "attention_pairs", "attention_pairs_per_rank",
        "attention_imbalance", "attention_kernels", "graph_breaks", "recompiles", "compile_s", "projected_pricing")
 _V11 = ("projected_forward_s", "projected_backward_s")
+_V12 = ("projected_attention_s",)
 ADDED_IN = {8: [name for name in COLUMNS if (name == "gpu_profile" or name.startswith("projected_"))
-                and name not in _V9 + _V11],
-            9: list(_V9), 10: ["balance"], 11: list(_V11)}
+                and name not in _V9 + _V11 + _V12],
+            9: list(_V9), 10: ["balance"], 11: list(_V11), 12: list(_V12)}
 # version -> the columns added after it (a file of that version is read with them null, or with DEFAULTS)
-ADDED_SINCE = {v: [name for later, names in ADDED_IN.items() if later > v for name in names] for v in (7, 8, 9, 10)}
+ADDED_SINCE = {v: [name for later, names in ADDED_IN.items() if later > v for name in names]
+               for v in range(7, SCHEMA_VERSION)}
 # What an older file's rows had, for the added columns that identify a point: it holds no documents, no compile.
 DEFAULTS = {"documents": "none", "compile": "off", "balance": "documents"}
 
