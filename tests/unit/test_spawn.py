@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from tests.spawn import RankFailure, run_ranks
+from tests.spawn import PEER_GRACE_S, RankFailure, run_ranks
 
 
 def _rank_id():
@@ -89,10 +89,35 @@ def test_a_rank_killed_by_a_signal_every_time_reports_its_exit_code_and_python_s
         run_ranks(_segfaults_on_rank_1_in_a_named_function, 2)
 
 
-def test_a_rank_killed_by_a_signal_once_is_run_again_and_the_first_report_printed(tmp_path, capsys):
-    assert run_ranks(_segfaults_on_rank_1_the_first_time, 2, str(tmp_path / "crashed-once")) == ["0", "1"]
+def test_a_rank_killed_by_a_signal_once_is_run_again_and_the_first_report_printed_and_warned(tmp_path, capsys):
+    with pytest.warns(UserWarning, match=r"(?s)a rank was killed by a signal; once more.*exited with code -11"):
+        assert run_ranks(_segfaults_on_rank_1_the_first_time, 2, str(tmp_path / "crashed-once")) == ["0", "1"]
     err = capsys.readouterr().err
     assert "a rank was killed by a signal; once more" in err and "_segfaults_on_rank_1_the_first_time" in err
+
+
+def test_a_crash_fails_at_once_where_retries_are_switched_off(tmp_path, monkeypatch):
+    monkeypatch.setenv("CPBENCH_SPAWN_RETRY", "0")
+    with pytest.raises(RankFailure, match=r"rank 1 exited with code -11") as failure:
+        run_ranks(_segfaults_on_rank_1_the_first_time, 2, str(tmp_path / "crashed-once"))
+    assert "second try" not in str(failure.value)
+
+
+def _rank_0_crashes_after_its_result_while_rank_1_works():
+    import os
+    import threading
+    import time as clock
+
+    if os.environ["RANK"] == "0":  # a thread left running faults as the interpreter shuts down, after the result
+        threading.Thread(target=lambda: (clock.sleep(1.0), os.kill(os.getpid(), 11))).start()
+        return "r0"
+    clock.sleep(PEER_GRACE_S + 3)  # longer than the peers' grace: a crash after a result must not cut it short
+    return "r1"
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_that_crashes_after_writing_its_result_does_not_stop_its_peers():
+    assert run_ranks(_rank_0_crashes_after_its_result_while_rank_1_works, 2) == ["r0", "r1"]
 
 
 def test_a_rank_that_raises_is_not_run_again():
@@ -110,8 +135,10 @@ def test_hung_rank_is_killed_and_reported():
 
 @pytest.mark.timeout(120)  # well below run_ranks' own timeout: the blocked peer must not hold the test that long
 def test_a_failed_rank_stops_its_blocked_peer_without_waiting_for_the_timeout():
-    with pytest.raises(RankFailure, match=r"(?s)rank 1 raised:.*deliberate failure.*ranks \[0\] were stopped"):
+    with pytest.raises(RankFailure, match=r"(?s)rank 1 raised:.*deliberate failure.*ranks \[0\] were stopped") as failure:
         run_ranks(_rank_1_fails_while_rank_0_waits_for_it, 2, timeout=600)
+    # the peer we killed for blocking (SIGKILL) is no crash of its own: no second try
+    assert not failure.value.signalled and "second try" not in str(failure.value)
 
 
 

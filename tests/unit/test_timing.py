@@ -158,6 +158,13 @@ def test_the_attention_share_splits_the_step_by_the_gpus_kernel_time_without_col
     slow = simulate([*trace, op("all_reduce", "nccl", nbytes=400e6, reads=[5], group=2)], HW, "bfloat16")
     assert slow["step_s"] > t["step_s"] and slow["attention_s"] == pytest.approx(slow["step_s"] / 4)
     assert simulate(trace[1:2], HW, "bfloat16")["attention_s"] == 0.0  # no kernel but a collective's
+    # a copy kernel on a collective's stream (FSDP2's copy-in) and an offload copy on the compute stream are GPU
+    # kernels a profiler counts (1 ms each); the host's own optimizer step runs no kernel: 6 ms of kernels, 1 of them
+    # attention's
+    more = [*trace, op("memory", "ag", nbytes=1e9), op("h2d", nbytes=1e7),
+            op("memory", "host", nbytes=1e9, phase="optimizer")]
+    t = simulate(more, HW, "bfloat16")
+    assert t["attention_s"] == pytest.approx(t["step_s"] / 6)
 
 
 def test_offload_copies_on_the_compute_stream_are_exposed_and_the_host_overhead_shows_when_it_leads():
