@@ -5,7 +5,15 @@ import time
 
 import pytest
 
-from tests.spawn import PEER_GRACE_S, RankFailure, run_ranks
+from tests import spawn
+from tests.spawn import RankFailure, run_ranks
+
+SHORT_GRACE_S = 2.0  # the peers' grace in the tests that wait it out (the parent's _wait reads it)
+
+
+@pytest.fixture
+def short_grace(monkeypatch):
+    monkeypatch.setattr(spawn, "PEER_GRACE_S", SHORT_GRACE_S)
 
 
 def _rank_id():
@@ -113,12 +121,12 @@ def _rank_0_crashes_after_its_result_while_rank_1_works():
     if os.environ["RANK"] == "0":  # a thread left running faults as the interpreter shuts down, after the result
         threading.Thread(target=lambda: (clock.sleep(1.0), os.kill(os.getpid(), 11))).start()
         return "r0"
-    clock.sleep(PEER_GRACE_S + 3)  # longer than the peers' grace: a crash after a result must not cut it short
+    clock.sleep(SHORT_GRACE_S + 3)  # longer than the peers' grace: a crash after a result must not cut it short
     return "r1"
 
 
 @pytest.mark.timeout(120)
-def test_a_rank_that_crashes_after_writing_its_result_does_not_stop_its_peers():
+def test_a_rank_that_crashes_after_writing_its_result_does_not_stop_its_peers(short_grace):
     assert run_ranks(_rank_0_crashes_after_its_result_while_rank_1_works, 2) == ["r0", "r1"]
 
 
@@ -136,7 +144,7 @@ def test_hung_rank_is_killed_and_reported():
 
 
 @pytest.mark.timeout(120)  # well below run_ranks' own timeout: the blocked peer must not hold the test that long
-def test_a_failed_rank_stops_its_blocked_peer_without_waiting_for_the_timeout():
+def test_a_failed_rank_stops_its_blocked_peer_without_waiting_for_the_timeout(short_grace):
     with pytest.raises(RankFailure, match=r"(?s)rank 1 raised:.*deliberate failure.*ranks \[0\] were stopped") as failure:
         run_ranks(_rank_1_fails_while_rank_0_waits_for_it, 2, timeout=600)
     # the peer we killed for blocking (SIGKILL) is no crash of its own: no second try
@@ -145,7 +153,7 @@ def test_a_failed_rank_stops_its_blocked_peer_without_waiting_for_the_timeout():
 
 
 @pytest.mark.timeout(120)
-def test_a_rank_killed_by_a_signal_stops_its_blocked_peer_without_waiting_for_the_timeout(monkeypatch):
+def test_a_rank_killed_by_a_signal_stops_its_blocked_peer_without_waiting_for_the_timeout(monkeypatch, short_grace):
     monkeypatch.setenv("CPBENCH_SPAWN_RETRY", "0")  # one try: the grace period is under test, not the retry
     with pytest.raises(RankFailure, match=r"(?s)rank 1 exited with code -11.*ranks \[0\] were stopped"):
         run_ranks(_rank_1_segfaults_while_rank_0_waits_for_it, 2, timeout=600)
