@@ -78,7 +78,7 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 240.0, **kwargs) -> l
         # gloo step whose cases run clean under valgrind's memcheck and 30 reruns): once more, its stacks printed
         # and warned. A fault the code under test causes recurs on the second try and fails the test with both
         # reports; CPBENCH_SPAWN_RETRY=0 fails on the first (to count crashes in a stress run).
-        elif e.signalled and os.environ.get("CPBENCH_SPAWN_RETRY", "1") != "0":  # 0: every crash fails (stress runs)
+        elif e.signalled and os.environ.get("CPBENCH_SPAWN_RETRY", "1") != "0":
             why = "a rank was killed by a signal; once more"
         else:
             raise
@@ -122,7 +122,7 @@ def _run_ranks(fn, world_size: int, args: tuple, kwargs: dict, timeout: float) -
             if p.is_alive():
                 p.kill()
                 p.join()
-        results, errors, signalled = [], [], False
+        results, errors, signalled, raised = [], [], False, False
         for r in range(world_size):
             f = Path(out_dir) / f"rank{r}.pkl"
             if not f.exists():
@@ -134,12 +134,12 @@ def _run_ranks(fn, world_size: int, args: tuple, kwargs: dict, timeout: float) -
             status, value = pickle.loads(f.read_bytes())
             results.append(value if status == "ok" else None)
             if status == "error":
+                raised = True
                 errors.append(f"rank {r} raised:\n{value}")
         if errors:
             if hung:
                 errors.append(f"ranks {hung} were stopped {PEER_GRACE_S:.0f}s after that (blocked on the failed rank)")
             # run again only for a crash alone: where a rank raised, its peers' signals may follow from it
-            raised = any(e.startswith(f"rank {r} raised:") for r in range(world_size) for e in errors)
             raise RankFailure("\n".join(errors), signalled and not raised)
         if hung:
             raise RankFailure(f"ranks {hung} still running after {timeout:.0f}s and were killed")
