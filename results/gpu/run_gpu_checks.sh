@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks in one command, on a machine with CUDA (one GPU is enough), in under 8 minutes:
+# The GPU checks in one command, on a machine with CUDA (one GPU is enough), in under 9 minutes:
 #   1. the opt-in GPU tests (`pytest -m gpu tests/gpu`): the ring's CUDA kernels on the real aten ops where their
 #      contracts bite (tests/gpu/test_ring_cuda_contracts.py: the efficient backward with the ring's saved output and
 #      GQA, a batch-1 mask at batch 2, an off-diagonal sliding-window varlen tile, head dims flash pads), every tile
@@ -8,6 +8,9 @@
 #      sm80+ GPU), FlashAttention-3 and FlashAttention-4 where their packages are installed, each tile kind against
 #      the exact kernel; what was skipped, and why (a package not installed: the pip install), is printed (-rs);
 #      -> results/gpu/gpu-tests.xml (JUnit: each test's outcome and time), and the console log beside it;
+#   1a. the 8B's kernels by class (suites/decompose-llama3-8b.toml: its widths at 16 layers, 8192 tokens, recompute):
+#      GEMMs, attention, element-wise, optimizer, each measured (torch.profiler) beside the time model's price on
+#      this GPU's profile (cpbench/harness/project/decompose.py): -> results/gpu/decompose.csv and decompose.log;
 #   1b. the element-wise kernels' figures on this GPU (results/gpu/elementwise_bench.py, then the fit of
 #      cpbench.harness.project.elementwise): -> results/gpu/elementwise.csv and elementwise.log;
 #   2. the Qwen3-0.6B reference suite (suites/qwen3-0.6b-long.toml: bf16, 16k and 32k tokens, cp 1 and 2, sdpa,
@@ -43,14 +46,17 @@ for backend in ("flash_attention_2", "flash_attention_3", "flash_attention_4"):
 PYEOF
 mkdir -p results/gpu
 tests=0
-timeout 240 "$PY" -m pytest -m gpu tests/gpu -q -rs -p no:cacheprovider --junitxml results/gpu/gpu-tests.xml \
+timeout 200 "$PY" -m pytest -m gpu tests/gpu -q -rs -p no:cacheprovider --junitxml results/gpu/gpu-tests.xml \
     2>&1 | tee results/gpu/gpu-tests.log || tests=$?
-# the element-wise figures of this GPU: the eager modules the H100's were fitted to, timed here, then fitted (~1 min)
-bench=0
-timeout 90 "$PY" results/gpu/elementwise_bench.py results/gpu/elementwise.csv --reps 50 > results/gpu/elementwise.log 2>&1 \
-    || bench=$?
+# the 8B's kernel time by class against its price (~40 s); a GPU with no shipped profile is priced as an H100 SXM
 gpu=$("$PY" -c "from cpbench.harness.project.hardware import for_device; import torch
 h = for_device(torch.cuda.get_device_name(0)); print(h.name if h else '')")
+timeout 90 "$PY" -m cpbench.harness.project.decompose suites/decompose-llama3-8b.toml --gpu "${gpu:-h100-sxm}" \
+    --out results/gpu/decompose.csv 2>&1 | tee results/gpu/decompose.log
+# the element-wise figures of this GPU: the eager modules the H100's were fitted to, timed here, then fitted (~1 min)
+bench=0
+timeout 75 "$PY" results/gpu/elementwise_bench.py results/gpu/elementwise.csv --reps 50 > results/gpu/elementwise.log 2>&1 \
+    || bench=$?
 if [ "$bench" -ne 0 ]; then
   echo "elementwise_bench failed or timed out (exit $bench): no fit on partial rows (results/gpu/elementwise.log)"
 elif [ -z "$gpu" ]; then
@@ -60,9 +66,9 @@ else
   "$PY" -m cpbench.harness.project.elementwise --data results/gpu/elementwise.csv --gpu "$gpu" 2>&1 \
     | tee -a results/gpu/elementwise.log
 fi
-# 210 s for the sweep keeps the whole script within 8 minutes; finished points are kept if it is cut (--resume).
+# 150 s for the sweep keeps the whole script within 9 minutes; finished points are kept if it is cut (--resume).
 sweep=0
-timeout 210 "$PY" -m cpbench sweep suites/qwen3-0.6b-long.toml --out results/gpu --no-progress "$@" || sweep=$?
+timeout 150 "$PY" -m cpbench sweep suites/qwen3-0.6b-long.toml --out results/gpu --no-progress "$@" || sweep=$?
 run=$(ls -d results/gpu/qwen3-0.6b-long/2* 2>/dev/null | tail -1)
 if [ -n "$run" ]; then "$PY" -m cpbench report "$run"; fi
 if [ "$tests" -ne 0 ]; then exit "$tests"; fi

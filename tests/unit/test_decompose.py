@@ -1,0 +1,103 @@
+"""A step's kernel time by class (project/decompose.py): kernels named as torch.profiler names them fall in the class
+the time model prices them in, every projected op with a kernel has a class, and the command's errors and output."""
+
+from __future__ import annotations
+
+import csv
+
+import pytest
+import torch
+
+from cpbench.harness.project import decompose, hardware
+from cpbench.harness.project.timing import op_seconds
+from cpbench.harness.suite.spec import load_suite
+
+# Kernel names from published profiles (torch.profiler / nsys), each with the class it falls in
+NAMED = {
+    "ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<(unsigned long)4096>)": "comm",
+    "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4, false, false, "
+    "cutlass::bfloat16_t>>": "attention",
+    "flash::FlashAttentionForwardSm100": "attention",
+    "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x128_4x1x1_kernel0_0": "attention",
+    "fmha_cutlassF_bf16_aligned_64x128_rf_sm80(PyTorchMemEffAttention::AttentionKernel)": "attention",
+    "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_segment_k_off_kernel":
+        "gemm",
+    "nvjet_tst_256x128_64x4_1x2_h_bz_coopA_NNT": "gemm",
+    "ampere_bf16_s16816gemm_bf16_128x256_ldg8_f2f_stages_64x3_tn": "gemm",
+    "void gemv2T_kernel_val<int, int, __nv_bfloat16, __nv_bfloat16, float, 128, 16, 4, 4, false, false>": "gemm",
+    "void splitKreduce_kernel<32, 16, int, float, __nv_bfloat16, float, __nv_bfloat16, true, false, false>": "gemm",
+    "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::BFloat16>>": "elementwise",
+    "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::MeanOps<float, float>>>":
+        "elementwise",
+    "Memcpy DtoD (Device -> Device)": "elementwise",
+    "Memcpy HtoD (Pinned -> Device)": "transfer",
+}
+
+
+def test_a_kernel_falls_in_the_class_the_model_prices_it_in():
+    for name, cls in NAMED.items():
+        assert decompose.classify(name) == cls, name
+    # the optimizer's window: its kernels are the optimizer's, whatever they are, but NCCL's stay NCCL's
+    assert decompose.classify("void at::native::multi_tensor_apply_kernel<...>", "optimizer") == "optimizer"
+    assert decompose.classify("nvjet_tst_256x128_64x4_1x2_h_bz_coopA_NNT", "optimizer") == "optimizer"
+    assert decompose.classify("ncclDevKernel_AllGather_RING_LL", "optimizer") == "comm"
+    got = decompose.bucket([("nvjet_tst_x", 1500.0), ("flash_bwd", 250.0), ("add_kernel", 5.0)])
+    assert got["gemm"] == pytest.approx(1.5e-3) and got["attention"] == pytest.approx(2.5e-4)
+    assert got["elementwise"] == pytest.approx(5e-6) and got["optimizer"] == got["comm"] == 0.0
+
+
+def _suite(tmp_path, **fields):
+    text = {"name": "'dec'", "model": "'tiny-llama'", "seq_lens": "[128]", "cp_sizes": "[1]", "world_size": "1",
+            "attn_implementations": "['sdpa']", "cp_styles": "['cp_ulysses']", "dtype": "'bfloat16'",
+            "device": "'cuda'", "parity": "'off'", "warmup_steps": "1", "measured_steps": "1", **fields}
+    path = tmp_path / "dec.toml"
+    path.write_text("\n".join(f"{k} = {v}" for k, v in text.items()))
+    return path
+
+
+def test_every_projected_kernel_has_a_class_and_the_classes_add_up(tmp_path):
+    from cpbench.harness.project.projection import project_rank
+
+    point = load_suite(_suite(tmp_path, activation_checkpointing="true")).points()[0]
+    hw = hardware.load("h100-sxm")
+    rec = project_rank(point, 0, hardware=hw, keep_trace=True)
+    kernels = [op for op in rec["trace"] if op_seconds(op, hw, point.dtype) > 0 and op.stream != "host"]
+    assert kernels and all(decompose.projected_class(op) is not None for op in kernels)
+    got = decompose.project(point, hw)
+    assert sum(got["classes"].values()) == pytest.approx(sum(op_seconds(op, hw, point.dtype) for op in kernels))
+    assert all(got["classes"][c] > 0 for c in ("gemm", "attention", "elementwise", "optimizer"))
+    assert got["classes"]["comm"] == got["classes"]["transfer"] == 0.0  # one rank, nothing offloaded
+    assert got["step_s"] == rec["time"]["step_s"] > 0
+
+
+def test_the_command_prints_and_writes_the_projected_side_and_refuses_what_it_cannot_run(tmp_path, capsys):
+    suite, out = _suite(tmp_path), tmp_path / "dec.csv"
+    assert decompose.main([str(suite), "--projected", "--gpu", "h100-sxm", "--out", str(out)]) == 0
+    rows = list(csv.DictReader(out.open()))
+    assert [r["class"] for r in rows] == ["gemm", "attention", "elementwise", "optimizer", "step"]
+    assert all(r["measured_s"] == "" and float(r["projected_s"]) > 0 for r in rows)
+    assert "priced as h100-sxm" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        decompose.main([str(suite), "--projected"])  # no profile to price with
+    assert "--gpu NAME" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            decompose.main([str(suite), "--gpu", "h100-sxm"])
+        assert "no CUDA device" in capsys.readouterr().err
+    wide = _suite(tmp_path, cp_sizes="[2]", world_size="2")
+    with pytest.raises(SystemExit):
+        decompose.main([str(wide), "--projected", "--gpu", "h100-sxm"])
+    assert "world_size = 1" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="world_size = 2"):
+        decompose.measure(load_suite(wide).points()[0])
+
+
+def test_a_measured_step_is_split_into_its_phases_windows(tmp_path):
+    # on the CPU the profiler gives aten's ops, not kernels: this checks the plumbing (cpbench's own step, its
+    # forward and backward in one window, the optimizer in the other), not the classes of the names
+    point = load_suite(_suite(tmp_path, device="'cpu'", dtype="'float32'")).points()[0]
+    got = decompose.measure(point, steps=1, warmup=1)
+    assert got["device"] == "cpu" and got["step_s"] > 0
+    assert got["classes"]["attention"] > 0  # aten::_scaled_dot_product_flash_attention_for_cpu
+    assert got["classes"]["optimizer"] > 0 and got["classes"]["elementwise"] > 0
+    assert got["classes"]["comm"] == got["classes"]["transfer"] == 0.0
