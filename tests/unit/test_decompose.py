@@ -10,6 +10,7 @@ import torch
 
 from cpbench.harness.project import decompose, hardware
 from cpbench.harness.project.timing import op_seconds
+from cpbench.harness.project.trace import Op
 from cpbench.harness.suite.spec import load_suite
 
 # Kernel names from published profiles (torch.profiler / nsys), each with the class it falls in
@@ -31,6 +32,13 @@ NAMED = {
         "elementwise",
     "Memcpy DtoD (Device -> Device)": "elementwise",
     "Memcpy HtoD (Pinned -> Device)": "transfer",
+    "Memset (Device)": "elementwise",
+    "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x64x128_4x1x1_kernel0_0": "attention",
+    "void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float, float, float, at::native::(anonymous "
+    "namespace)::LogSoftMaxForwardEpilogue>": "elementwise",
+    "void at::native::(anonymous namespace)::nll_loss_forward_reduce_cuda_kernel_2d<float, float, long>": "elementwise",
+    "void at::native::(anonymous namespace)::indexing_backward_kernel<c10::BFloat16, 4>": "elementwise",
+    "void at::native::multi_tensor_apply_kernel<at::native::TensorListMetadata<4>, ...>": "elementwise",
 }
 
 
@@ -41,6 +49,13 @@ def test_a_kernel_falls_in_the_class_the_model_prices_it_in():
     assert decompose.classify("void at::native::multi_tensor_apply_kernel<...>", "optimizer") == "optimizer"
     assert decompose.classify("nvjet_tst_256x128_64x4_1x2_h_bz_coopA_NNT", "optimizer") == "optimizer"
     assert decompose.classify("ncclDevKernel_AllGather_RING_LL", "optimizer") == "comm"
+    # a projected op's class: NCCL's on their streams, the offload levers' copies, the optimizer's, none for the host's
+    op = Op("compute", "memory", "step", 0.0, 1.0, (), ())
+    assert decompose.projected_class(op._replace(stream="ag", kind="all_gather")) == "comm"
+    assert decompose.projected_class(op._replace(stream="d2h", kind="d2h")) == "transfer"
+    assert decompose.projected_class(op._replace(phase="optimizer")) == "optimizer"
+    assert decompose.projected_class(op._replace(stream="host")) is None
+    assert decompose.projected_class(op._replace(kind="replay")) is None
     got = decompose.bucket([("nvjet_tst_x", 1500.0), ("flash_bwd", 250.0), ("add_kernel", 5.0)])
     assert got["gemm"] == pytest.approx(1.5e-3) and got["attention"] == pytest.approx(2.5e-4)
     assert got["elementwise"] == pytest.approx(5e-6) and got["optimizer"] == got["comm"] == 0.0
@@ -80,6 +95,9 @@ def test_the_command_prints_and_writes_the_projected_side_and_refuses_what_it_ca
     with pytest.raises(SystemExit):
         decompose.main([str(suite), "--projected"])  # no profile to price with
     assert "--gpu NAME" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        decompose.main([str(suite), "--projected", "--gpu", "no-such-gpu"])
+    assert "not a known GPU" in capsys.readouterr().err
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit):
             decompose.main([str(suite), "--gpu", "h100-sxm"])
@@ -92,7 +110,7 @@ def test_the_command_prints_and_writes_the_projected_side_and_refuses_what_it_ca
         decompose.measure(load_suite(wide).points()[0])
 
 
-def test_a_measured_step_is_split_into_its_phases_windows(tmp_path):
+def test_a_measured_step_is_split_into_its_phases_windows(tmp_path, monkeypatch):
     # on the CPU the profiler gives aten's ops, not kernels: this checks the plumbing (cpbench's own step, its
     # forward and backward in one window, the optimizer in the other), not the classes of the names
     point = load_suite(_suite(tmp_path, device="'cpu'", dtype="'float32'")).points()[0]
@@ -101,3 +119,7 @@ def test_a_measured_step_is_split_into_its_phases_windows(tmp_path):
     assert got["classes"]["attention"] > 0  # aten::_scaled_dot_product_flash_attention_for_cpu
     assert got["classes"]["optimizer"] > 0 and got["classes"]["elementwise"] > 0
     assert got["classes"]["comm"] == got["classes"]["transfer"] == 0.0
+    # a profiler that recorded nothing is no data, not a step of no kernels
+    monkeypatch.setattr(decompose, "bucket", lambda pairs, phase="step": dict.fromkeys(decompose.CLASSES, 0.0))
+    with pytest.raises(RuntimeError, match="recorded no op time"):
+        decompose.measure(point, steps=1, warmup=0)

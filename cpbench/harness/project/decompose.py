@@ -11,8 +11,12 @@ its kernel time, without the host or what overlaps it). Both sides are sums of k
 quantity; the step's wall time is given beside them.
 
 Usage, on a GPU: python -m cpbench.harness.project.decompose SUITE [--gpu NAME] [--out CSV]. The suite's points at
-world size 1 are run (several ranks need NCCL and one GPU each; not this tool's job). Without a GPU, `--projected`
-prints the projected side alone.
+world size 1 are run (several ranks need NCCL and one GPU each; not this tool's job). Without a GPU,
+`--projected --gpu NAME` prints the projected side alone.
+
+Read a gap with care: the projection traces the step on the CPU, so copies or fills that a CUDA kernel's own path adds
+around it (a layout copy before cuDNN's attention, say) are measured element-wise time with no projected
+counterpart: an element-wise gap is not necessarily the `memory` efficiency's.
 """
 
 from __future__ import annotations
@@ -139,6 +143,9 @@ def measure(point, steps: int | None = None, warmup: int | None = None) -> dict:
             pairs = ((e.key, e.self_device_time_total if cuda else e.self_cpu_time_total) for e in prof.key_averages())
             for cls, s in bucket(pairs, phase).items():
                 totals[cls] += s / steps
+    if not sum(totals.values()):  # CUPTI recorded nothing: no data, not a step of no kernels
+        raise RuntimeError(f"{point.point_id}: the profiler recorded no {'kernel' if cuda else 'op'} time in "
+                           f"{steps} profiled steps (is CUPTI available to this process?)")
     return {"classes": totals, "step_s": wall, "device": torch.cuda.get_device_name(0) if cuda else "cpu"}
 
 
@@ -189,7 +196,10 @@ def main(argv: list[str] | None = None) -> int:
         device = torch.cuda.get_device_name(0)
     if args.gpu is None and (not measuring or for_device(device) is None):
         parser.error("--gpu NAME: " + ("this GPU has no shipped profile" if measuring else "the profile to price with"))
-    hw = load(args.gpu) if args.gpu else for_device(device)
+    try:
+        hw = load(args.gpu) if args.gpu else for_device(device)
+    except (ValueError, OSError) as e:  # an unknown name, an unreadable profile file
+        parser.error(str(e))
     table = []
     for point in points:
         measured = measure(point, steps=args.steps) if measuring else None
