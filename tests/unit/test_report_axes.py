@@ -121,3 +121,43 @@ def test_a_figure_whose_labels_squeeze_its_axes_away_is_grown_not_written_collap
         warnings.simplefilter("error")  # matplotlib's "axes sizes collapsed to zero" fails here
         axes.save(fig, io.BytesIO(), format="png", dpi=50)
     assert fig.get_size_inches()[1] > 1.5
+
+
+def test_a_figure_whose_layout_collapses_only_once_rendered_is_grown_and_written_whole(tmp_path):
+    # At the edge, a layout that fits without pixels (draw_without_rendering) collapses once rendered: one vertical
+    # tick label a few characters from filling a 10 x 4 figure (the analysis notebook's chart of changes, found by
+    # the property tests with one point id of 56 characters). The save is watched too; the target written again.
+    import io
+
+    from matplotlib.figure import Figure
+    from PIL import Image
+
+    from cpbench.report import axes
+
+    def chart(chars: int) -> Figure:
+        fig = Figure(figsize=(10, 4), layout="constrained")
+        ax = fig.add_subplot()
+        ax.bar([0], [1.0], label="peak memory")
+        ax.set_xticks([0], ["a" * chars], rotation=90, fontsize="small")
+        ax.legend()
+        return fig
+
+    edge = []
+    for chars in range(46, 62, 2):
+        fig = chart(chars)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fig.draw_without_rendering()
+        unrendered = any(COLLAPSED in str(w.message) for w in caught)
+        buffer = io.BytesIO()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a collapse warning escaping the save fails here
+            axes.save(fig, buffer, format="png", dpi=50)
+        width, height = fig.get_size_inches()
+        assert Image.open(io.BytesIO(buffer.getvalue())).size == (round(width * 50), round(height * 50))
+        if not unrendered and (width, height) != (10, 4):
+            edge.append(chars)  # fitted unrendered, collapsed rendered, grown: the case this is about
+    assert edge, "no label length at the edge: the sweep no longer crosses it"
+    path = tmp_path / "edge.png"  # a file named by its path is written again whole as well
+    axes.save(chart(edge[0]), path, dpi=50)
+    assert Image.open(path).size == (750, 300)
