@@ -9,6 +9,7 @@ import warnings
 
 import numpy as np
 import pandas as pd
+import pytest
 
 from cpbench.report import page, plots
 from cpbench.report.peers import peers_figure
@@ -45,6 +46,7 @@ def _every_figure(frame: pd.DataFrame):
     yield "peers", peers_figure(frame)
 
 
+@pytest.mark.heavy  # every page figure at 30 configurations, ~12 s: run by .ci/run, not by the README's command
 def test_many_configurations_with_long_labels_collapse_no_figure():
     frame = many_configurations()
     assert len(plots.config_colors(frame)) == 30
@@ -143,7 +145,7 @@ def test_a_figure_whose_layout_collapses_only_once_rendered_is_grown_and_written
         return fig
 
     edge = []
-    for chars in range(46, 62, 2):
+    for chars in range(48, 60, 2):
         fig = chart(chars)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

@@ -82,7 +82,7 @@ def projected_class(op) -> str | None:
 
 
 def project(point, hw) -> dict:
-    """The projected kernel seconds per class of one step of `point` on `hw`, and the projected step."""
+    """The projected kernel seconds per class of one step of `point` on `hw`, the projected step and its trace."""
     from cpbench.harness.project.projection import project_rank
     from cpbench.harness.project.timing import op_seconds
 
@@ -94,7 +94,7 @@ def project(point, hw) -> dict:
         cls = projected_class(op)
         if cls is not None:
             out[cls] += op_seconds(op, hw, point.dtype)
-    return {"classes": out, "step_s": rec["time"]["step_s"]}
+    return {"classes": out, "step_s": rec["time"]["step_s"], "trace": rec["trace"]}
 
 
 def measure(point, steps: int | None = None, warmup: int | None = None) -> dict:
