@@ -90,26 +90,22 @@ def grow(fig, width: float = 0.0, height: float = 0.0) -> None:
 def save(fig, target, **kwargs) -> None:
     """`fig.savefig(target, ...)`, grown (1.5 times a try, up to MAX_INCHES) while the constrained layout finds its
     axes squeezed to nothing by their labels and legends, as matplotlib warns; past that, saved without the layout
-    and cropped to what it draws, so no figure is written collapsed. The layout is first tried without pixels; the
-    save itself is watched too, since at the edge a layout that fits without rendering can collapse once rendered
-    (a label a few characters from filling its figure), and a file-like target is then written again."""
+    and cropped to what it draws, so no figure is written collapsed. The save itself is watched (a layout tried
+    without pixels can fit where the rendered one collapses, at the edge), and a file-like target is rewound before
+    it is written again."""
     import warnings
 
     for _ in range(4):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            fig.draw_without_rendering()  # the layout alone, no pixels
+            fig.savefig(target, **kwargs)
         if not _collapsed(caught):
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                fig.savefig(target, **kwargs)
-            if not _collapsed(caught):
-                for w in caught:  # what else the save said, said again outside the catch
-                    warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-                return
-            if hasattr(target, "seek"):
-                target.seek(0)
-                target.truncate()
+            for w in caught:  # what else the save said, said again outside the catch
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+            return
+        if hasattr(target, "seek"):
+            target.seek(0)
+            target.truncate()
         w, h = fig.get_size_inches()
         if w >= MAX_INCHES and h >= MAX_INCHES:
             break

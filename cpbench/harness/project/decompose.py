@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from cpbench.harness.project.timing import COLLECTIVE_KINDS, HOST_ONLY
+from cpbench.harness.project.timing import COLLECTIVE_KINDS, HOST_ONLY, op_seconds
 
 CLASSES = ("gemm", "attention", "elementwise", "optimizer", "comm", "transfer")
 # A kernel's class by its name, the first rule that matches (case-insensitive); names as torch.profiler gives them:
@@ -84,7 +84,6 @@ def projected_class(op) -> str | None:
 def project(point, hw) -> dict:
     """The projected kernel seconds per class of one step of `point` on `hw`, the projected step and its trace."""
     from cpbench.harness.project.projection import project_rank
-    from cpbench.harness.project.timing import op_seconds
 
     rec = project_rank(point, 0, hardware=hw, keep_trace=True)
     if rec.get("status") != "ok":
