@@ -10,6 +10,7 @@ from cpbench.cp.loss.causal_lm import cp_causal_lm_loss
 from cpbench.cp.plan import DEFAULT_BASE_MODEL_CP_PLAN, FAMILY_CP_PLANS, ResolvedPlan, resolve_plan
 from cpbench.cp.ring.attention import RING_IMPLEMENTATIONS, ring_attention
 from cpbench.cp.styles import STYLES, AttentionStyle, SplitStyle, register_attention_style
+from cpbench.cp.recompute import use_recompute
 from cpbench.cp.tiled_mlp import use_tiled_mlp
 from cpbench.cp.ulysses import check_ulysses, ulysses_attention
 from cpbench.cp.usp import check_usp, usp_attention
@@ -40,5 +41,6 @@ __all__ = [
     "resolve_plan",
     "use_balance",
     "use_loss",
+    "use_recompute",
     "use_tiled_mlp",
 ]

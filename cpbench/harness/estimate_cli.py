@@ -61,6 +61,9 @@ def register(subparsers) -> None:
     quick.add_argument("--recompute", action="store_true", help="activation checkpointing of every decoder layer")
     quick.add_argument("--recompute-every", type=int, default=1, metavar="N",
                        help="with --recompute: recompute every N-th decoder layer only (default 1: every layer)")
+    quick.add_argument("--recompute-policy", default="full", metavar="POLICY",
+                       help="with --recompute: full (whole layers, the default) | op (each recomputed layer keeps its "
+                            "attention kernels' and every other matmul's outputs: torchtitan's selective op recompute)")
     quick.add_argument("--offload-activations", action="store_true",
                        help="with --recompute: the recompute checkpoints in pinned host memory")
     quick.add_argument("--offload-params", action="store_true",
@@ -102,6 +105,7 @@ def _quick_suite(args):
               "batch_kind": args.batch_kind, "batch_size": args.batch_size, "loss": args.loss,
               "activation_checkpointing": args.recompute,
               "mixed_precision": args.mixed_precision, "recompute_every_n_layers": args.recompute_every,
+              "recompute_policy": args.recompute_policy,
               "offload_activations": args.offload_activations, "offload_params": args.offload_params,
               "warmup_steps": 1, "measured_steps": 1}
     if args.compile is not None:

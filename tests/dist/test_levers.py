@@ -3,6 +3,8 @@
 - the sequence-tiled MLP (`cpbench.use_tiled_mlp(model, tiles)`);
 - selective recompute with activation offload (`model.activation_checkpointing_enable(every_n_layers=2,
   offload=True)`, transformers' own: torch's save_on_cpu around checkpoint);
+- op-level selective recompute (`cpbench.use_recompute(model, "op")`: each layer keeps its attention kernels' and
+  every other matmul's outputs; with every_n_layers=2 and the offload in "all");
 - parameter and optimizer offload (`DistributedConfig(fsdp_cpu_offload=True)`, FSDP2's CPUOffloadPolicy; on CPU it
   pins nothing, see cpbench/cp/hf_compat/__init__.py), with an optimizer step;
 - all of them together with the chunked loss.
@@ -20,7 +22,7 @@ import torch
 
 from tests.dist.models import GRAD_RTOL, LOGITS_ATOL, LOSS_RTOL
 
-LEVERS = ("tiled_mlp", "offload_activations", "offload_params", "all")
+LEVERS = ("tiled_mlp", "offload_activations", "recompute_op", "offload_params", "all")
 STYLES = ("cp_ulysses", "cp_ring", "cp_ring_zigzag")
 
 
@@ -34,8 +36,10 @@ def _load(path: str, style: str, lever: str, cp: int):
         cp_ulysses_degree=2 if style == "cp_usp" else None)
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa", dtype=torch.float32,
                                                  distributed_config=config)
-    if lever in ("offload_activations", "all"):
+    if lever == "offload_activations":
         model.activation_checkpointing_enable(every_n_layers=2, offload=True)
+    if lever in ("recompute_op", "all"):
+        cpbench.use_recompute(model, "op", every_n_layers=2 if lever == "all" else 1, offload=lever == "all")
     if lever in ("tiled_mlp", "all"):
         cpbench.use_tiled_mlp(model, 3)
     if lever == "all":
@@ -75,7 +79,7 @@ def levers_worker(paths: dict, cases: list[tuple[str, str, str]], cp: int) -> di
 
 CASES = {2: [("tiny", style, lever) for style in STYLES for lever in LEVERS]
          + [("wide", style, "all") for style in ("cp_ulysses", "cp_ring_zigzag")],
-         4: [("tiny", "cp_usp", lever) for lever in ("tiled_mlp", "all")]}
+         4: [("tiny", "cp_usp", lever) for lever in ("tiled_mlp", "recompute_op", "all")]}
 
 
 @pytest.fixture(scope="module")

@@ -60,3 +60,17 @@ def test_compile_values(value, column):
 def test_a_wrong_compile_mode_is_refused():
     with pytest.raises(SuiteErrors, match="`compile` = 'fast'.*torch.compile mode"):
         _suite('compile = "fast"\n')
+
+
+def test_the_recompute_policy_reaches_the_point_and_is_checked():
+    (point,) = load_suite("t.toml", text=BASE.replace("[1, 2]", "[1]") + 'activation_checkpointing = true\n'
+                          'recompute_policy = "op"\n').points()
+    assert point.recompute_policy == "op" and point.point_id.endswith("/recompute-op")
+    assert point.point_key != _suite("activation_checkpointing = true\n").points()[0].point_key
+    assert _suite("").points()[0].recompute_policy == "full"
+    with pytest.raises(SuiteErrors) as e:
+        _suite('recompute_policy = "op"\n')
+    assert "`recompute_policy` = 'op'" in str(e.value) and "set activation_checkpointing = true" in str(e.value)
+    with pytest.raises(SuiteErrors) as e:
+        _suite('activation_checkpointing = true\nrecompute_policy = "selective"\n')
+    assert "`recompute_policy` = 'selective'" in str(e.value) and "'full', 'op'" in str(e.value)

@@ -166,7 +166,10 @@ def _attention_entries(r) -> dict:
 
 def _model_calls(r) -> list[str]:
     calls = []
-    if r["activation_checkpointing"]:
+    if r["activation_checkpointing"] and r.get("recompute_policy", "full") != "full":
+        calls.append(f"cpbench.use_recompute(model, {r['recompute_policy']!r}"
+                     + (", offload=True" if r["offload_activations"] else "") + ")")
+    elif r["activation_checkpointing"]:
         calls.append("model.activation_checkpointing_enable(" + ("offload=True" if r["offload_activations"] else "")
                      + ")")
     if r["tiled_mlp"] not in (None, "off", ""):

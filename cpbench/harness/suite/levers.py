@@ -1,7 +1,7 @@
-"""The levers of a suite, checked: recompute (every layer or every n-th), activation offload (the recompute
-checkpoints in host memory), parameter and optimizer offload (FSDP2's CPUOffloadPolicy), the sequence-tiled MLP and
-torch.compile of each decoder layer. Each error names the field, the value and the fix; every one is reported
-(suite_errors.py)."""
+"""The levers of a suite, checked: recompute (every layer or every n-th; whole layers or op by op), activation
+offload (the recompute checkpoints in host memory), parameter and optimizer offload (FSDP2's CPUOffloadPolicy), the
+sequence-tiled MLP and torch.compile of each decoder layer. Each error names the field, the value and the fix; every
+one is reported (suite_errors.py)."""
 
 from __future__ import annotations
 
@@ -43,6 +43,16 @@ def check_levers(suite) -> None:
                                     "decoder layer, n every n-th (the others keep their activations).")))
     elif every != 1 and not suite.activation_checkpointing:
         found.errors.append(str(err("recompute_every_n_layers", every, "chooses which layers recompute: set "
+                                    "activation_checkpointing = true, or drop it.")))
+    from cpbench.cp.recompute import POLICIES
+
+    policy = suite.recompute_policy
+    if policy not in POLICIES:
+        found.errors.append(str(err("recompute_policy", policy, f"must be one of {', '.join(map(repr, POLICIES))}: "
+                                    "'full' recomputes whole layers, 'op' keeps each layer's attention kernels' and "
+                                    "every other matmul's outputs and recomputes the rest.")))
+    elif policy != "full" and not suite.activation_checkpointing:
+        found.errors.append(str(err("recompute_policy", policy, "chooses what recomputed layers keep: set "
                                     "activation_checkpointing = true, or drop it.")))
     if not isinstance(suite.offload_activations, bool):
         found.errors.append(str(err("offload_activations", suite.offload_activations, "must be true or false.")))

@@ -49,6 +49,9 @@ class Suite:
     loss: str = "full"  # "chunked": the output projection and the loss chunk by chunk (cpbench.use_loss)
     activation_checkpointing: bool = False  # recompute every decoder layer in backward (transformers' own)
     recompute_every_n_layers: int = 1  # with activation_checkpointing: recompute every n-th layer only
+    # with activation_checkpointing: "full" recomputes whole layers, "op" keeps their attention kernels' and every
+    # other matmul's outputs (torchtitan's selective op recompute; cpbench/cp/recompute.py)
+    recompute_policy: str = "full"
     offload_activations: bool = False  # the recompute checkpoints in (pinned) host memory (transformers' offload)
     offload_params: bool = False  # FSDP2's CPUOffloadPolicy: parameters, gradients, optimizer state on the host
     tiled_mlp: bool | int | str = False  # true / "auto" / a tile count: each layer's MLP over tiles of the sequence
@@ -114,6 +117,7 @@ class Point:
     loss_mode: str
     activation_checkpointing: bool
     recompute_every_n_layers: int = 1
+    recompute_policy: str = "full"
     offload_activations: bool = False
     offload_params: bool = False
     tiled_mlp: str = "off"  # "off", "auto" or a tile count
@@ -152,7 +156,8 @@ class Point:
             parts.append(f"{self.loss_mode}-loss")
         if self.activation_checkpointing:
             every = self.recompute_every_n_layers
-            parts.append("recompute" + (str(every) if every > 1 else ""))
+            parts.append("recompute" + (str(every) if every > 1 else "")
+                         + (f"-{self.recompute_policy}" if self.recompute_policy != "full" else ""))
         if self.offload_activations:
             parts.append("offload-act")
         if self.offload_params:
@@ -293,6 +298,7 @@ def _point(suite: Suite, model: str, cp: int, attn: str, style: str, seq_len: in
         measured_steps=suite.measured_steps, keep_outputs=suite.keep_outputs, loss_mode=suite.loss,
         activation_checkpointing=suite.activation_checkpointing, mixed_precision=suite.mixed_precision,
         recompute_every_n_layers=suite.recompute_every_n_layers if suite.activation_checkpointing else 1,
+        recompute_policy=suite.recompute_policy if suite.activation_checkpointing else "full",
         offload_activations=suite.offload_activations, offload_params=suite.offload_params and world > 1,
         tiled_mlp=tiled_mlp_tiles(suite.tiled_mlp), compile=compile_mode(suite.compile),
         parity_mode=suite.parity, reference=suite.reference, timeout_s=float(suite.timeout_s),

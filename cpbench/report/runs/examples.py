@@ -47,6 +47,7 @@ KEY_VALUES = {
     "implementation": ("cpbench", "deepspeed", "torch_cp"),
     "cp_ulysses_degree": (1, 2),
     "recompute_every_n_layers": (1, 2),
+    "recompute_policy": ("full", "op"),
     "offload_activations": (False, True),
     "offload_params": (False, True),
     "tiled_mlp": ("off", "auto", "4"),

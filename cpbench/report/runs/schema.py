@@ -28,7 +28,9 @@ import pyarrow as pa
 #     were added: an older file is read with them null.
 # 12: a projected step's attention share on one clock (`projected_attention_s`). Only a column was added: an older
 #     file is read with it null.
-SCHEMA_VERSION = 12
+# 13: what a recomputed layer keeps (`recompute_policy`: full or op), which identifies a point (an older file's rows
+#     recomputed whole layers, "full").
+SCHEMA_VERSION = 13
 MEASUREMENTS = ("measured", "projected")
 
 STATUSES = ("ok", "oom", "error", "timeout", "skipped")
@@ -67,6 +69,8 @@ COLUMNS: dict[str, tuple[pa.DataType, str]] = {
     "mixed_precision": (pa.bool_(), "FSDP2 mixed precision: fp32 master weights and reduction, compute in `dtype`"),
     "recompute_every_n_layers": (pa.int32(), "with activation_checkpointing: every n-th decoder layer recomputed (the "
                                  "others keep their activations); 1 otherwise"),
+    "recompute_policy": (pa.string(), "with activation_checkpointing: full (whole layers recomputed) | op (each "
+                         "recomputed layer keeps its attention kernels' and every other matmul's outputs)"),
     "offload_activations": (pa.bool_(), "the recompute checkpoints held in (pinned) host memory"),
     "offload_params": (pa.bool_(), "FSDP2's CPUOffloadPolicy: parameters, gradients and optimizer state on the host"),
     "tiled_mlp": (pa.string(), "each decoder layer's MLP over tiles of the sequence: off | auto | the tile count"),
@@ -219,12 +223,13 @@ _V11 = ("projected_forward_s", "projected_backward_s")
 _V12 = ("projected_attention_s",)
 ADDED_IN = {8: [name for name in COLUMNS if (name == "gpu_profile" or name.startswith("projected_"))
                 and name not in _V9 + _V11 + _V12],
-            9: list(_V9), 10: ["balance"], 11: list(_V11), 12: list(_V12)}
+            9: list(_V9), 10: ["balance"], 11: list(_V11), 12: list(_V12), 13: ["recompute_policy"]}
 # version -> the columns added after it (a file of that version is read with them null, or with DEFAULTS)
 ADDED_SINCE = {v: [name for later, names in ADDED_IN.items() if later > v for name in names]
                for v in range(7, SCHEMA_VERSION)}
-# What an older file's rows had, for the added columns that identify a point: it holds no documents, no compile.
-DEFAULTS = {"documents": "none", "compile": "off", "balance": "documents"}
+# What an older file's rows had, for the added columns that identify a point: no documents, no compile, the zigzag
+# balanced by documents, whole layers recomputed.
+DEFAULTS = {"documents": "none", "compile": "off", "balance": "documents", "recompute_policy": "full"}
 
 ARROW_SCHEMA = pa.schema(
     [pa.field(name, typ) for name, (typ, _) in COLUMNS.items()],
@@ -236,7 +241,7 @@ KEY_COLUMNS = (
     "model", "seq_len", "batch_size", "batch_kind", "cp_size", "fsdp_size", "dp_replicate_size",
     "attn_implementation", "cp_style", "dtype", "device", "keep_outputs", "loss_mode", "activation_checkpointing",
     "mixed_precision", "level", "implementation", "cp_ulysses_degree", "recompute_every_n_layers",
-    "offload_activations", "offload_params", "tiled_mlp", "documents", "compile", "balance",
+    "offload_activations", "offload_params", "tiled_mlp", "documents", "compile", "balance", "recompute_policy",
 )
 
 
