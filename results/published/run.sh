@@ -66,17 +66,19 @@ est alst-llama-1.1m $ALST --seq 1100000 --cp 8 --world-size 8
 est alst-llama-3.7m $ALST --seq 3700000 --cp 8 --world-size 8 --offload-activations --tiled-mlp
 est alst-llama-15m $ALST --seq 15000000 --cp 32 --world-size 32 --offload-activations --tiled-mlp
 
-# --- torchtitan, Llama 3.1 8B, FSDP, 8192 tokens, local batch 2, selective (op) AC: cpbench recomputes every 2nd
-# layer. Torch of December 2024: SDPA took the flash kernel (cuDNN was opt-in). Their H100s: 96 GB HBM2e at 500 W.
-TITAN="--model llama-3-8b --seq 8192 --cp 1 --recompute --recompute-every 2 --batch-size 2 --mixed-precision"
+# --- torchtitan, Llama 3.1 8B, FSDP, 8192 tokens, local batch 2, selective op AC (every layer keeps its SDPA output
+# and every other mm's: cpbench's --recompute-policy op, cpbench/cp/recompute.py). Torch of December 2024: SDPA took
+# the flash kernel (cuDNN was opt-in). Their H100s: 96 GB HBM2e at 500 W.
+TITAN="--model llama-3-8b --seq 8192 --cp 1 --recompute --recompute-policy op --batch-size 2 --mixed-precision"
 est titan-llama-8b-h100 $TITAN --world-size 8 --gpu h100-hbm2e-500w --sdpa-kernel flash
 est titan-llama-8b-h100-128 $TITAN --world-size 128 --gpu h100-hbm2e-500w --sdpa-kernel flash
 # torchtitan, Llama 3 8B and 70B on 64 A100s (8 nodes), 8192 tokens, local batch 1; and the 8B on one 8 x A100 node
-# (PR #355's logs, foreach AdamW)
+# (PR #355's logs, foreach AdamW, selective op AC); the 64-GPU rows with selective layer AC (every 2nd layer) and op AC
 A100="--seq 8192 --cp 1 --mixed-precision --gpu a100-sxm"
 est titan-llama-8b-a100 --model llama-3-8b $A100 --world-size 64 --recompute --recompute-every 2
 est titan-llama-70b-a100 --model llama-3.1-70b $A100 --world-size 64 --recompute
-est titan-pr355-llama-8b-a100 --model llama-3-8b $A100 --world-size 8 --recompute --recompute-every 2
+est titan-llama-8b-a100-op --model llama-3-8b $A100 --world-size 64 --recompute --recompute-policy op
+est titan-pr355-llama-8b-a100 --model llama-3-8b $A100 --world-size 8 --recompute --recompute-policy op
 
 # --- ml-engineering (stas00), HF transformers, eager, bf16, 1 sequence per GPU.
 # 8 x H200, Llama-3.1-8B at 8k, DeepSpeed ZeRO-2, FlashAttention-3, no recompute, no offload

@@ -1,7 +1,8 @@
 """table.md: each published measurement beside cpbench's projection of the same configuration, and the error; the
 mean absolute error over the judged rows, all of them and the short regime (<= 64k tokens per GPU) apart. Where a
 source publishes its peak memory per GPU too (`peak_gb`, in GB as published), a second table sets the projected peak
-beside it; where it times parts of the step (`parts`), a third sets the projected parts beside them."""
+beside it; where it times parts of the step (`parts`), a third sets the projected parts beside them; a fourth says,
+for each side-by-side comparison of orderings.toml, whether the projections come out in the order measured."""
 
 import tomllib
 from pathlib import Path
@@ -62,7 +63,7 @@ def main() -> None:
                      f"measurements (largest {100 * max(errors):.0f} %); {100 * sum(short) / len(short):.1f} % over the "
                      f"{len(short)} of them at <= 64k tokens per GPU, {100 * sum(long) / len(long):.1f} % over the "
                      f"{len(long)} above.")
-    lines += peaks(measurements) + parts(measurements)
+    lines += peaks(measurements) + parts(measurements) + orderings()
     (HERE / "table.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
@@ -122,6 +123,35 @@ def parts(measurements: dict) -> list[str]:
             shown = f"{1e3 * value:.1f} ms | {100 * (value / measured - 1):+.0f} %" if value is not None else "- | -"
             lines.append(f"| {name} | {PARTS[part]} | {1e3 * measured:.1f} ms | {shown} |")
     return lines if len(lines) > 2 else []
+
+
+
+def _metric(row, metric: str) -> float:
+    """A projected run's side of a comparison, larger is faster (tests/unit/test_published.py reads it alike)."""
+    if metric == "step_s":
+        return -row["projected_step_s"]
+    if metric == "tokens_per_s_per_gpu":
+        return row["projected_tokens_per_s"] / row["world_size"]
+    return row["flops_per_step"] / row["world_size"] / row["projected_step_s"]
+
+
+def orderings() -> list[str]:
+    """Each comparison whose runs are listed fastest first: the projected figures in that order, and whether they
+    come out so (judged ones are held by the test; a not-judged one says why beside it)."""
+    lines = ["", "| comparison | measured, fastest first | projected, in the same order | same order | judged |",
+             "|---|---|---|---|---|"]
+    for name, spec in tomllib.loads((HERE / "orderings.toml").read_text()).items():
+        rows = [_row(run) for run in spec.get("fastest_first", ())]
+        if not rows or any(r is None for r in rows):
+            continue
+        values = [_metric(r, spec["metric"]) for r in rows]
+        unit = {"step_s": (1, " s"), "tokens_per_s_per_gpu": (1, " tok/s/GPU"), "tflops": (1e12, " TFLOPS")}
+        scale, suffix = unit[spec["metric"]]
+        shown = ", ".join(f"{abs(v) / scale:,.4g}{suffix}" for v in values)
+        same = "yes" if values == sorted(values, reverse=True) else "no"
+        judged = "yes" if spec.get("judged", True) else f"no: {spec['differs']}"
+        lines.append(f"| {name} ({spec['metric']}) | {spec['source']} | {shown} | {same} | {judged} |")
+    return lines
 
 
 if __name__ == "__main__":

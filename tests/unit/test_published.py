@@ -38,6 +38,9 @@ def test_the_projection_orders_configurations_as_the_source_measured_them(compar
         assert min(speedups) > 1 and speedups == sorted(speedups), (spec["source"], speedups)
         return
     values = [_metric(name, spec["metric"]) for name in spec["fastest_first"]]
+    if not spec.get("judged", True):  # projected and shown in table.md; the configurations differ in what decides
+        assert spec["differs"] and all(v == v for v in values), comparison
+        return
     assert values == sorted(values, reverse=True), (spec["source"], dict(zip(spec["fastest_first"], values)))
 
 
