@@ -17,6 +17,8 @@ from cpbench.cli import main
 from cpbench.report.runs import store
 
 pytest.importorskip("submitit")
+# ~27 s of the README's test command: opt-in (-m heavy), run by .ci/run, to keep that command under 12 minutes
+pytestmark = pytest.mark.heavy
 
 SUITE = """
 name = "cluster"
