@@ -12,16 +12,26 @@ forward's own tensor, a recomputed one is the same op on the same inputs.
 
 What is kept, per checkpointed call (one decoder layer's forward; the count starts afresh at every call, as
 torchtitan's `selective_checkpointing_context_fn` makes a fresh counter per call):
-- `KEPT_ATTENTION`: every attention kernel's outputs (the output and its log-sum-exp); inside a ring that is every
-  tile's, as torchtitan's policy does under torch's ring;
-- `MATMULS`: the 1st, 3rd, 5th ... matmul of the call (`mm`, `addmm`, `bmm`, `baddbmm`, `_grouped_mm`): a Llama layer's
-  q, k, v, o, gate, up, down projections keep q, v, gate and down, and recompute k, o and up;
-- everything else, collectives included, is recomputed (as whole-layer recompute does).
-torchtitan counts `mm` alone (its Llama has no biases); counting the biased and batched forms too keeps the rule
-for families whose projections carry a bias (`addmm`) or whose experts run as one batched call.
+- the attention kernels' outputs (the output and its log-sum-exp): torch's SDPA kernels (`KEPT_ATTENTION`) and
+  flash-attn 2's and 3's registered ops where those packages are loaded (`kept_attention`). FlashAttention-4 calls
+  no dispatcher op, so nothing could keep it: suites refuse `op` with it (harness/suite/levers.py);
+- the 1st, 3rd, 5th ... matmul of the call (`MATMULS`: `mm`, `addmm`, `bmm`, `baddbmm`, `_grouped_mm`): a Llama
+  layer's q, k, v, o, gate, up, down projections keep q, v, gate and down, and recompute k, o and up;
+- everything else, collectives included, is recomputed (as whole-layer recompute does), and so is all of what runs
+  under `recomputed()`: the ring's attention (cp_ring, cp_ring_zigzag, cp_usp), whose tiles would otherwise all be
+  kept (2·cp tiles of S/(2·cp) rows: the whole sequence's attention output on every rank, whatever cp), and the
+  tiles of the tiled MLP, whose intermediates tiling exists not to hold.
+The forward's and the recompute's matmuls are counted apart: torch before 2.13 asks the policy again while it
+recomputes (and takes kept outputs first in, first out), and one count over both would shift the parity of every
+layer with an odd number of matmuls. torchtitan counts `mm` alone (its Llama has no biases); counting the biased and
+batched forms too keeps the rule for families whose projections carry a bias (`addmm`). With the checkpoint offload,
+the kept outputs stay on the device; only the layers' inputs move to the host.
 """
 
 from __future__ import annotations
+
+import contextlib
+import contextvars
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
@@ -43,16 +53,46 @@ KEPT_ATTENTION = _ops("_scaled_dot_product_flash_attention", "_scaled_dot_produc
                       "_efficient_attention_forward")
 
 
+# flash-attn's registered forward ops (namespace, name): 2.6+ and 3 register them with torch.library
+FLASH_ATTENTION_OPS = (("flash_attn", "_flash_attn_forward"), ("flash_attn", "_flash_attn_varlen_forward"),
+                       ("flash_attn_3", "_flash_attn_forward"), ("flash_attn_3", "fwd"))
+_RECOMPUTED = contextvars.ContextVar("cpbench_recomputed", default=False)
+
+
+@contextlib.contextmanager
+def recomputed():
+    """What runs inside is recomputed under the op policy, whatever its ops (the ring's attention, a tiled MLP's
+    tiles: see the module's docstring); its matmuls do not count in the alternation."""
+    token = _RECOMPUTED.set(True)
+    try:
+        yield
+    finally:
+        _RECOMPUTED.reset(token)
+
+
+def kept_attention() -> frozenset:
+    """The attention kernels whose outputs the op policy keeps: torch's, and flash-attn's where loaded."""
+    found = set(KEPT_ATTENTION)
+    for namespace, name in FLASH_ATTENTION_OPS:
+        packet = getattr(getattr(torch.ops, namespace), name, None) if hasattr(torch.ops, namespace) else None
+        if packet is not None:
+            found.add(packet.default)
+    return frozenset(found)
+
+
 def op_policy():
     """A fresh policy for one checkpointed call: what it keeps and what it recomputes (the module's docstring)."""
-    matmuls = 0
+    matmuls = {False: 0, True: 0}  # the forward's and the recompute's apart
+    attention = kept_attention()
 
     def policy(ctx, op, *args, **kwargs):
-        nonlocal matmuls
+        if _RECOMPUTED.get():
+            return CheckpointPolicy.PREFER_RECOMPUTE
         if op in MATMULS:
-            matmuls += 1
-            return CheckpointPolicy.MUST_SAVE if matmuls % 2 else CheckpointPolicy.PREFER_RECOMPUTE
-        return CheckpointPolicy.MUST_SAVE if op in KEPT_ATTENTION else CheckpointPolicy.PREFER_RECOMPUTE
+            phase = bool(getattr(ctx, "is_recompute", False))
+            matmuls[phase] += 1
+            return CheckpointPolicy.MUST_SAVE if matmuls[phase] % 2 else CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if op in attention else CheckpointPolicy.PREFER_RECOMPUTE
 
     return policy
 
@@ -76,4 +116,5 @@ def use_recompute(model: torch.nn.Module, policy: str = "op", every_n_layers: in
     return model
 
 
-__all__ = ["KEPT_ATTENTION", "MATMULS", "POLICIES", "op_contexts", "op_policy", "use_recompute"]
+__all__ = ["KEPT_ATTENTION", "MATMULS", "POLICIES", "kept_attention", "op_contexts", "op_policy", "recomputed",
+           "use_recompute"]

@@ -24,6 +24,8 @@ import types
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from cpbench.cp.recompute import recomputed
+
 TILE_BYTES = 1 << 30  # "auto": tiles whose largest intermediate stays within this (1 GiB)
 TILED_ATTR = "_cpbench_tiled_mlp"
 NORM_ATTR = "_cpbench_tiled_norm"
@@ -51,13 +53,20 @@ def _tiled_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     if tiles <= 1 or seq <= 1 or not torch.is_grad_enabled():
         return _tile(forward, x, *args, **kwargs)
     size = math.ceil(seq / tiles)
-    outs = [checkpoint(_tile, forward, part, *args, use_reentrant=False, **kwargs) for part in x.split(size, -2)]
+    outs = [checkpoint(_recomputed_tile, forward, part, *args, use_reentrant=False, **kwargs)
+            for part in x.split(size, -2)]
     return torch.cat(outs, dim=-2)
 
 
 def _tile(forward, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """One tile: the layer's norm (where it joined the tile) and the MLP."""
     return forward.original(forward.norm(x) if forward.norm is not None else x, *args, **kwargs)
+
+
+def _recomputed_tile(forward, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """A tile whose outputs op recompute keeps none of (cp/recompute.py): tiling exists not to hold them."""
+    with recomputed():
+        return _tile(forward, x, *args, **kwargs)
 
 
 def _passes_through(self, x: torch.Tensor) -> torch.Tensor:

@@ -61,7 +61,7 @@ def register(subparsers) -> None:
     quick.add_argument("--recompute", action="store_true", help="activation checkpointing of every decoder layer")
     quick.add_argument("--recompute-every", type=int, default=1, metavar="N",
                        help="with --recompute: recompute every N-th decoder layer only (default 1: every layer)")
-    quick.add_argument("--recompute-policy", default="full", metavar="POLICY",
+    quick.add_argument("--recompute-policy", default="full", choices=("full", "op"),
                        help="with --recompute: full (whole layers, the default) | op (each recomputed layer keeps its "
                             "attention kernels' and every other matmul's outputs: torchtitan's selective op recompute)")
     quick.add_argument("--offload-activations", action="store_true",

@@ -79,6 +79,12 @@ est titan-llama-8b-a100 --model llama-3-8b $A100 --world-size 64 --recompute --r
 est titan-llama-70b-a100 --model llama-3.1-70b $A100 --world-size 64 --recompute
 est titan-llama-8b-a100-op --model llama-3-8b $A100 --world-size 64 --recompute --recompute-policy op
 est titan-pr355-llama-8b-a100 --model llama-3-8b $A100 --world-size 8 --recompute --recompute-policy op
+# torchtitan docs/performance.md as first published (commits 395a52627, 1ea476e9f, April 2024): Llama 2 13B on 64 A100s,
+# local batch 2 x 4096 tokens, without AC, with selective layer AC (every 2nd layer) and with selective op AC
+T13="--model $MODELS/llama-2-13b $A100 --seq 4096 --batch-size 2 --world-size 64"
+est titan-llama2-13b-a100-none $T13
+est titan-llama2-13b-a100-layer $T13 --recompute --recompute-every 2
+est titan-llama2-13b-a100-op $T13 --recompute --recompute-policy op
 
 # --- ml-engineering (stas00), HF transformers, eager, bf16, 1 sequence per GPU.
 # 8 x H200, Llama-3.1-8B at 8k, DeepSpeed ZeRO-2, FlashAttention-3, no recompute, no offload

@@ -4,10 +4,10 @@
 - selective recompute with activation offload (`model.activation_checkpointing_enable(every_n_layers=2,
   offload=True)`, transformers' own: torch's save_on_cpu around checkpoint);
 - op-level selective recompute (`cpbench.use_recompute(model, "op")`: each layer keeps its attention kernels' and
-  every other matmul's outputs; with every_n_layers=2 and the offload in "all");
+  every other matmul's outputs; the ring's and the tiled MLP's tiles recomputed whole);
 - parameter and optimizer offload (`DistributedConfig(fsdp_cpu_offload=True)`, FSDP2's CPUOffloadPolicy; on CPU it
   pins nothing, see cpbench/cp/hf_compat/__init__.py), with an optimizer step;
-- all of them together with the chunked loss.
+- all of them together with the chunked loss, with whole-layer recompute ("all") and with op recompute ("all_op").
 
 Each alone and all together, with cp_ulysses, cp_ring and cp_ring_zigzag at cp 2 (a 4-layer tiny Qwen3, and all
 levers on a realistic-width Llama: hidden 512, head dim 64, intermediate 2048), and cp_usp (2 x 2) on 4 ranks: the
@@ -22,7 +22,8 @@ import torch
 
 from tests.dist.models import GRAD_RTOL, LOGITS_ATOL, LOSS_RTOL
 
-LEVERS = ("tiled_mlp", "offload_activations", "recompute_op", "offload_params", "all")
+LEVERS = ("tiled_mlp", "offload_activations", "recompute_op", "offload_params", "all", "all_op")
+ALL = ("all", "all_op")
 STYLES = ("cp_ulysses", "cp_ring", "cp_ring_zigzag")
 
 
@@ -32,17 +33,17 @@ def _load(path: str, style: str, lever: str, cp: int):
     import cpbench
 
     config = cpbench.DistributedConfig(
-        cp_size=cp, cp_plan={"model.layers.*.self_attn": style}, fsdp_cpu_offload=lever in ("offload_params", "all"),
+        cp_size=cp, cp_plan={"model.layers.*.self_attn": style}, fsdp_cpu_offload=lever in ("offload_params", *ALL),
         cp_ulysses_degree=2 if style == "cp_usp" else None)
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa", dtype=torch.float32,
                                                  distributed_config=config)
-    if lever == "offload_activations":
+    if lever in ("offload_activations", "all"):
         model.activation_checkpointing_enable(every_n_layers=2, offload=True)
-    if lever in ("recompute_op", "all"):
-        cpbench.use_recompute(model, "op", every_n_layers=2 if lever == "all" else 1, offload=lever == "all")
-    if lever in ("tiled_mlp", "all"):
+    if lever in ("recompute_op", "all_op"):
+        cpbench.use_recompute(model, "op", every_n_layers=2 if lever == "all_op" else 1, offload=lever == "all_op")
+    if lever in ("tiled_mlp", *ALL):
         cpbench.use_tiled_mlp(model, 3)
-    if lever == "all":
+    if lever in ALL:
         cpbench.use_loss(model, "chunked")
     return model
 
@@ -79,7 +80,7 @@ def levers_worker(paths: dict, cases: list[tuple[str, str, str]], cp: int) -> di
 
 CASES = {2: [("tiny", style, lever) for style in STYLES for lever in LEVERS]
          + [("wide", style, "all") for style in ("cp_ulysses", "cp_ring_zigzag")],
-         4: [("tiny", "cp_usp", lever) for lever in ("tiled_mlp", "recompute_op", "all")]}
+         4: [("tiny", "cp_usp", lever) for lever in ("tiled_mlp", "recompute_op", "all_op")]}
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +101,7 @@ def test_a_lever_keeps_the_unsharded_loss_and_gradients(results, cp, name, style
         errs = per_rank[(name, style, lever)]
         assert errs["loss"] <= LOSS_RTOL, f"rank {rank}: loss relative error {errs['loss']:.3g}"
         assert errs["grad"] <= GRAD_RTOL, f"rank {rank}: gradient error {errs['grad']:.3g} in {errs['grad_where']}"
-        if lever == "all":
+        if lever in ALL:
             assert errs["logits"] is None  # the chunked loss never makes the logits
         else:
             assert errs["logits"] <= LOGITS_ATOL, f"rank {rank}: logits error {errs['logits']:.3g}"

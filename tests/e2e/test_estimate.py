@@ -41,13 +41,13 @@ def matrix():
                       'dtype = "bfloat16"\nattn_implementations = ["sdpa"]\ncp_styles = ["cp_ring_zigzag"]\n')
     # two options a point (each pair shares nothing of what it changes): fewer launches, every option still held
     points += _points('model = "tiny-qwen3"\nseq_lens = [256]\ncp_sizes = [2]\nactivation_checkpointing = true\n'
-                      'recompute_policy = "op"\n'  # the kept outputs live in checkpoint's storage, not in autograd
                       'loss = "chunked"\nbatch_kind = "packed"\nattn_implementations = ["sdpa"]\n'
                       'cp_styles = ["cp_ring_zigzag"]\n')
     points += _points('model = "tiny-llama"\nseq_lens = [256]\ncp_sizes = [2]\nactivation_checkpointing = true\n'
                       'recompute_every_n_layers = 1\noffload_activations = true\noffload_params = true\n'  # host.py
                       'attn_implementations = ["sdpa"]\ncp_styles = ["cp_ring"]\n')
     points += _points('model = "tiny-qwen3"\nseq_lens = [256]\ncp_sizes = [2]\nmixed_precision = true\n'  # fp32 masters
+                      'activation_checkpointing = true\nrecompute_policy = "op"\n'  # kept outputs: checkpoint's own
                       'keep_outputs = true\ndtype = "bfloat16"\nattn_implementations = ["sdpa"]\n'
                       'cp_styles = ["cp_ulysses"]\n')
     return points

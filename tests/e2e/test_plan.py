@@ -36,8 +36,8 @@ def test_plan_ranks_the_configurations_that_fit_and_writes_runnable_suites(tmp_p
     assert (ok["peak_bytes"] <= CAPACITY).all() and (df[df["status"] == "oom"]["peak_bytes"] > CAPACITY).all()
     # cp 1 without levers is over the capacity, and with the chunked loss alone; recompute + chunked loss fits
     cp1 = df[df["cp_size"] == 1]
-    assert list(zip(cp1["activation_checkpointing"], cp1["loss_mode"], cp1["status"])) == [
-        (False, "full", "oom"), (False, "chunked", "oom"), (True, "chunked", "ok")]
+    assert list(zip(cp1["activation_checkpointing"], cp1["recompute_policy"], cp1["loss_mode"], cp1["status"])) == [
+        (False, "full", "full", "oom"), (False, "full", "chunked", "oom"), (True, "op", "chunked", "ok")]
     assert (df[df["cp_size"] > 1]["activation_checkpointing"] == False).all()  # noqa: E712 - the first rung fit
     # the printed ranking: tokens/s per GPU, fastest first, every fitting configuration once
     speeds = [float(m) for m in re.findall(r"(\S+)\s+\d+\.\d%\s+DistributedConfig\(", out)]
@@ -57,8 +57,9 @@ def test_the_floor_of_a_rung_is_what_every_layer_must_hold():
     tokens, h, layers, vocab = 131072, 4096, 32, config.vocab_size
     assert floor_bytes(config, tokens, RUNGS[0]) == layers * tokens * h * 2 * 4 + tokens * vocab * 4
     assert floor_bytes(config, tokens, RUNGS[1]) == layers * tokens * h * 2 * 4  # the chunked loss alone
-    assert floor_bytes(config, tokens, RUNGS[2]) == layers * tokens * h * 2  # checkpoints; the loss is chunked
-    assert floor_bytes(config, tokens, RUNGS[3]) == 0  # the checkpoints live on the host
+    assert floor_bytes(config, tokens, RUNGS[2]) == layers * tokens * h * 2  # checkpoints (op by op: at least)
+    assert floor_bytes(config, tokens, RUNGS[3]) == layers * tokens * h * 2  # checkpoints; the loss is chunked
+    assert floor_bytes(config, tokens, RUNGS[4]) == 0  # the checkpoints live on the host
 
 
 def _row(status: str, step: float = 1.0, floor: float | None = None):
@@ -85,8 +86,8 @@ def test_the_search_goes_by_levels_and_prunes_only_by_finished_ones():
     search = Search(opts, capacity=1 << 40, config=get_preset("tiny-llama").config({}))
     ulysses, ring = search.level(4, [ULYSSES, RING])
     points = _drive(ulysses, [_row("oom"), _row("oom"), _row("ok", step=1.0, floor=0.5)])
-    assert [(p.cp_size, p.activation_checkpointing, p.loss_mode) for p in points] == [
-        (4, False, "full"), (4, False, "chunked"), (4, True, "chunked")]
+    assert [(p.cp_size, p.activation_checkpointing, p.recompute_policy, p.loss_mode) for p in points] == [
+        (4, False, "full", "full"), (4, False, "full", "chunked"), (4, True, "op", "chunked")]
     _drive(ring, [_row("error")])  # a projection that failed at cp 4 does not end the smaller cps
     assert search.best == 0.0  # nothing is decided while a level runs
     search.finish_level()

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.checkpoint import CheckpointPolicy
+from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 import cpbench
-from cpbench.cp.recompute import KEPT_ATTENTION, MATMULS, op_policy
+from cpbench.cp.recompute import KEPT_ATTENTION, MATMULS, kept_attention, op_policy, recomputed
 from tests.dist.models import make_batch, tiny_config
 
 aten = torch.ops.aten
@@ -27,6 +27,25 @@ def test_a_layer_keeps_its_attention_and_every_other_matmul():
     assert {aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_cudnn_attention.default,
             aten._scaled_dot_product_efficient_attention.default} <= KEPT_ATTENTION
     assert aten.mm.default in MATMULS and aten.add.Tensor not in MATMULS | KEPT_ATTENTION
+    assert KEPT_ATTENTION <= kept_attention()  # and flash-attn's ops, where that package is loaded
+
+
+def test_a_recompute_that_asks_again_gets_the_forwards_answers():
+    # torch before 2.13 asks the policy again while it recomputes, and hands kept outputs back first in, first out:
+    # the recompute's answers must be the forward's, op for op, though the forward has counted its matmuls already
+    policy = op_policy()
+    layer = [aten.mm.default] * 7 + [aten.silu.default, aten._scaled_dot_product_flash_attention.default]
+    forward = [policy(SelectiveCheckpointContext(is_recompute=False), op) for op in layer]
+    again = [policy(SelectiveCheckpointContext(is_recompute=True), op) for op in layer]
+    assert again == forward and forward[:7] == [SAVE, RECOMPUTE] * 3 + [SAVE]
+
+
+def test_what_runs_under_recomputed_keeps_nothing_and_counts_no_matmul():
+    policy = op_policy()
+    with recomputed():  # the ring's tiles, a tiled MLP's tiles
+        inside = [policy(None, op) for op in (aten.mm.default, aten._scaled_dot_product_flash_attention.default)]
+    assert inside == [RECOMPUTE, RECOMPUTE]
+    assert policy(None, aten.mm.default) == SAVE  # the layer's first matmul outside still counts as its first
 
 
 class _Matmuls(TorchDispatchMode):
@@ -85,3 +104,21 @@ def test_plan_says_the_call_that_sets_the_policy():
     row = {"activation_checkpointing": True, "offload_activations": True, "tiled_mlp": "off", "loss_mode": "full"}
     assert _model_calls({**row, "recompute_policy": "op"}) == ["cpbench.use_recompute(model, 'op', offload=True)"]
     assert _model_calls({**row, "recompute_policy": "full"}) == ["model.activation_checkpointing_enable(offload=True)"]
+
+
+def test_the_sharded_reference_recomputes_whole_layers(monkeypatch):
+    from cpbench.harness.measure import reference
+    from cpbench.harness.suite.spec import load_suite
+
+    (point,) = load_suite("t.toml", text='model = "tiny-qwen3"\nseq_lens = [64]\ncp_sizes = [2]\n'
+                          'activation_checkpointing = true\nrecompute_policy = "op"\n').points()
+    seen = []
+
+    def distribute(model, ref_point, *args, **kwargs):
+        seen.append(ref_point)
+        raise StopIteration  # nothing past the point the reference is built from
+
+    monkeypatch.setattr(reference.step, "distribute", distribute)
+    with pytest.raises(StopIteration):
+        reference._sharded_reference(point, "full", "cpu", 0)
+    assert [(p.recompute_policy, p.activation_checkpointing, p.cp_size) for p in seen] == [("full", True, 1)]

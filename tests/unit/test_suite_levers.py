@@ -74,3 +74,12 @@ def test_the_recompute_policy_reaches_the_point_and_is_checked():
     with pytest.raises(SuiteErrors) as e:
         _suite('activation_checkpointing = true\nrecompute_policy = "selective"\n')
     assert "`recompute_policy` = 'selective'" in str(e.value) and "'full', 'op'" in str(e.value)
+
+
+@pytest.mark.parametrize("extra,needle", [
+    ('attn_implementations = ["sdpa", "flash_attention_4"]\n', "FlashAttention-4"),
+    ('compile = true\n', "not supported with compile")])
+def test_op_recompute_is_refused_where_it_cannot_keep_what_it_says(extra, needle):
+    with pytest.raises(SuiteErrors) as e:
+        _suite('activation_checkpointing = true\nrecompute_policy = "op"\ndevice = "cuda"\n' + extra)
+    assert "`recompute_policy` = 'op'" in str(e.value) and needle in str(e.value)

@@ -29,6 +29,7 @@ import torch
 
 from cpbench.cp.hf_compat import model_attention_implementation, model_config
 from cpbench.cp.layout import SequenceLayout
+from cpbench.cp.recompute import recomputed
 from cpbench.cp.ring.comm import DKV_TAG, KV_TAG, P2PCounter, RingComm
 from cpbench.cp.ring.kernels import RING_IMPLEMENTATIONS, acc_dtype, safe_lse
 from cpbench.cp.ring.masks import CAUSAL, DENSE, FULL, SEGMENTS, SKIP, RingMasks, TileMask, build_ring_masks
@@ -194,7 +195,9 @@ def ring_attention_with_lse(
         )
     sinks = check_sinks(sinks, q_bhsd.shape[1])
     varlen = bool(getattr(kernel, "takes_segments", lambda q, v=None: False)(q_bhsd, v_bhsd))
-    return _RingAttention.apply(q_bhsd, k_bhsd, v_bhsd, sinks, RingPlan(comm, layout, masks, kernel, scale, varlen))
+    with recomputed():  # op recompute keeps no tile (cp/recompute.py): 2·cp tiles would hold the whole sequence's
+        plan = RingPlan(comm, layout, masks, kernel, scale, varlen)
+        return _RingAttention.apply(q_bhsd, k_bhsd, v_bhsd, sinks, plan)
 
 
 def ring_attention(

@@ -88,8 +88,8 @@ def distribute(model: torch.nn.Module, point: Point, mesh=None, kernel_device=No
     if point.activation_checkpointing and (point.recompute_every_n_layers > 1 or point.offload_activations
                                            or point.recompute_policy != "full"):
         # transformers' own selective recompute and checkpoint offload (torch's save_on_cpu around checkpoint), with
-        # cpbench's op-level policy; the reference keeps plain recompute: the levers change where and when values
-        # live, never the values.
+        # cpbench's op-level policy; the unsharded reference keeps plain recompute and the sharded one whole layers
+        # (measure/reference.py): the levers change where and when values live, never the values.
         cpbench.use_recompute(model, point.recompute_policy, every_n_layers=point.recompute_every_n_layers,
                               offload=point.offload_activations)
     if point.tiled_mlp != "off":

@@ -130,7 +130,8 @@ def plan_table(best) -> str:
     lines = []
     for i, r in enumerate(best.to_dict("records"), 1):
         style = r["cp_style"] + (f" (ulysses {r['cp_ulysses_degree']})" if r["cp_style"] == "cp_usp" else "")
-        levers = [n for n, on in (("recompute", r["activation_checkpointing"]), ("chunked loss",
+        recompute = "recompute" + (" (op)" if r.get("recompute_policy", "full") == "op" else "")
+        levers = [n for n, on in ((recompute, r["activation_checkpointing"]), ("chunked loss",
                   r["loss_mode"] == "chunked"), ("offload act.", r["offload_activations"]),
                   ("tiled MLP", r["tiled_mlp"] not in (None, "off", "")), ("offload params", r["offload_params"]))
                   if on]

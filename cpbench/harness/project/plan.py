@@ -1,10 +1,11 @@
 """`cpbench plan`: the configurations of a model at a length on a machine that fit, ranked by projected speed.
 
 The search covers cp size (the powers of two up to the GPUs), style (Ulysses, the zigzag ring, USP at each
-Ulysses degree; others on request), attention backend, and a ladder of memory levers, each rung keeping the ones
-below (they only add time): none; the chunked loss; + recompute; + activation offload; + tiled MLP; + parameter
-offload. Every configuration tried is a projected row of one run (estimate.py's machinery: memory on both sides,
-and time on the GPU profile), so `cpbench report` reads the search.
+Ulysses degree; others on request), attention backend, and a ladder of memory levers, each rung holding less
+than the one below and adding time: none; the chunked loss; + recompute op by op (each layer keeps its attention's
+and every other matmul's outputs); recompute of whole layers in its place; + activation offload; + tiled MLP;
++ parameter offload. Every configuration tried is a projected row of one run (estimate.py's machinery: memory on
+both sides, and time on the GPU profile), so `cpbench report` reads the search.
 
 The search goes by cp size, largest first, one level at a time: every configuration of a level is projected (side
 by side, `jobs` at once), then the level's results decide what the next level tries. What is pruned depends only
@@ -45,14 +46,15 @@ from cpbench.report.units import parse_bytes
 RUNGS = (
     {},
     {"loss": "chunked"},
+    {"activation_checkpointing": True, "recompute_policy": "op", "loss": "chunked"},
     {"activation_checkpointing": True, "loss": "chunked"},
     {"activation_checkpointing": True, "loss": "chunked", "offload_activations": True},
     {"activation_checkpointing": True, "loss": "chunked", "offload_activations": True, "tiled_mlp": "auto"},
     {"activation_checkpointing": True, "loss": "chunked", "offload_activations": True, "tiled_mlp": "auto",
      "offload_params": True},
 )
-RUNG_NAMES = ("none", "chunked loss", "recompute + chunked loss", "+ activation offload", "+ tiled MLP",
-              "+ parameter offload")
+RUNG_NAMES = ("none", "chunked loss", "op recompute + chunked loss", "recompute + chunked loss", "+ activation offload",
+              "+ tiled MLP", "+ parameter offload")
 
 
 @dataclass(kw_only=True)
@@ -100,7 +102,7 @@ def candidates_for(opts: PlanOptions, config) -> list[tuple[str, str, int]]:
 def floor_bytes(config, tokens_per_rank: int, rung: dict) -> int:
     """What a rank holds at least, whatever else: without recompute each layer keeps >= 4 [tokens, hidden] bf16
     tensors (its input, the attention's input and output, the MLP's input); with recompute, not offloaded, each
-    layer's checkpoint; the full loss, the fp32 logits."""
+    layer's checkpoint (op by op it keeps more, so the same floor bounds it); the full loss, the fp32 logits."""
     h, layers = config.hidden_size, config.num_hidden_layers
     floor = 0
     if not rung.get("activation_checkpointing"):

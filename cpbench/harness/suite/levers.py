@@ -54,6 +54,14 @@ def check_levers(suite) -> None:
     elif policy != "full" and not suite.activation_checkpointing:
         found.errors.append(str(err("recompute_policy", policy, "chooses what recomputed layers keep: set "
                                     "activation_checkpointing = true, or drop it.")))
+    elif policy == "op" and "flash_attention_4" in (suite.attn_implementations or ()):
+        found.errors.append(str(err("recompute_policy", policy, "cannot keep FlashAttention-4's outputs (it calls no "
+                                    "dispatcher op a policy sees): drop flash_attention_4 from attn_implementations, "
+                                    "or recompute whole layers (\"full\").")))
+    elif policy == "op" and suite.compile not in (False, "off"):
+        found.errors.append(str(err("recompute_policy", policy, "is not supported with compile yet (a compiled layer's "
+                                    "kernels are inductor's, not the ops the policy keeps): set compile = false, or "
+                                    "recompute whole layers (\"full\").")))
     if not isinstance(suite.offload_activations, bool):
         found.errors.append(str(err("offload_activations", suite.offload_activations, "must be true or false.")))
     elif suite.offload_activations and not suite.activation_checkpointing:
