@@ -57,6 +57,31 @@ KEPT_ATTENTION = _ops("_scaled_dot_product_flash_attention", "_scaled_dot_produc
 FLASH_ATTENTION_OPS = (("flash_attn", "_flash_attn_forward"), ("flash_attn", "_flash_attn_varlen_forward"),
                        ("flash_attn_3", "_flash_attn_forward"), ("flash_attn_3", "fwd"))
 _RECOMPUTED = contextvars.ContextVar("cpbench_recomputed", default=False)
+_SELECTIVE = contextvars.ContextVar("cpbench_selective", default=False)
+
+
+class _Flagged:
+    """A selective-checkpoint mode that says, while it is entered, that ops run under it (`under_op_policy`): its
+    Python runs for every op, a host cost a projection prices (timing.py: cpu_selective_op_s). Re-entrant, as the
+    mode it wraps (a second backward replays again)."""
+
+    def __init__(self, mode):
+        self.mode, self.tokens = mode, []
+
+    def __enter__(self):
+        self.tokens.append(_SELECTIVE.set(True))
+        return self.mode.__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return self.mode.__exit__(*exc)
+        finally:
+            _SELECTIVE.reset(self.tokens.pop())
+
+
+def under_op_policy() -> bool:
+    """Whether the op dispatched now runs under op recompute's selective-checkpoint modes (a forward or a replay)."""
+    return _SELECTIVE.get()
 
 
 @contextlib.contextmanager
@@ -99,7 +124,8 @@ def op_policy():
 
 def op_contexts():
     """`checkpoint`'s `context_fn`: the forward's and the recompute's contexts under a fresh `op_policy`."""
-    return create_selective_checkpoint_contexts(op_policy())
+    forward, recompute = create_selective_checkpoint_contexts(op_policy())
+    return _Flagged(forward), _Flagged(recompute)
 
 
 def use_recompute(model: torch.nn.Module, policy: str = "op", every_n_layers: int = 1, offload: bool = False):
@@ -117,4 +143,4 @@ def use_recompute(model: torch.nn.Module, policy: str = "op", every_n_layers: in
 
 
 __all__ = ["KEPT_ATTENTION", "MATMULS", "POLICIES", "kept_attention", "op_contexts", "op_policy", "recomputed",
-           "use_recompute"]
+           "under_op_policy", "use_recompute"]

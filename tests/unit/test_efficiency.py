@@ -134,3 +134,8 @@ def test_the_dispatch_measurement_separates_the_host_from_the_kernels():
     assert r["cpu_recompute_layer_s"] + r["cpu_recompute_replay_s"] == pytest.approx(r["recompute_total_s"])
     # at the same length the recomputed step does all the plain one does and replays its layers: it takes longer
     assert all(c["step_s"] > a["step_s"] for c, a in zip(r["recomputed"]["runs"], r["alone"]["runs"]))
+    # op recompute: the same layers checkpointed, fewer ops replayed; its selective-checkpoint modes see the layers'
+    # forward and replayed ops, none of the rest (the embedding, the loss, the optimizer)
+    s = r["selective"]
+    assert s["checkpoints"] == 2 and r["alone"]["ops"] < s["ops"] < r["recomputed"]["ops"]
+    assert 0 < s["selective_ops"] < s["ops"] and r["cpu_selective_op_s"] > 0

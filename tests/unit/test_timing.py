@@ -382,12 +382,22 @@ def test_a_recomputed_layer_costs_the_host_its_checkpoint_and_the_gpu_nothing():
     assert marked["compute_s"] == plain["compute_s"]
 
 
+def test_an_op_under_op_recompute_costs_the_host_its_modes_and_the_gpu_nothing_more():
+    host = dataclasses.replace(HW, cpu_op_s=1e-5, cpu_selective_op_s=2e-5)
+    plain = op("memory", nbytes=1e6)
+    under = plain._replace(selective=True)
+    assert host_seconds(under, host) == pytest.approx(host_seconds(plain, host) + 2e-5)
+    assert op_seconds(under, host, "bfloat16") == op_seconds(plain, host, "bfloat16")
+    assert hardware.load("h100-sxm").cpu_selective_op_s > 0  # measured here (dispatch.py), in every profile
+
+
 def test_a_profile_written_before_the_recompute_and_ramp_figures_loads_and_a_negative_time_is_refused(tmp_path):
     # a file `cpbench calibrate` wrote before cpu_recompute_layer_s and memory_ramp_s: what the model assumed then (0)
     old = tmp_path / "old.toml"
     old.write_text(CPU_CORE.replace("cpu_recompute_layer_s = 0.0\n", ""))
     hw = hardware.load(str(old))
-    assert (hw.cpu_recompute_layer_s, hw.cpu_recompute_replay_s, hw.memory_ramp_s) == (0.0, 0.0, 0.0)
+    assert (hw.cpu_recompute_layer_s, hw.cpu_recompute_replay_s, hw.memory_ramp_s, hw.cpu_selective_op_s) == \
+        (0.0, 0.0, 0.0, 0.0)
     assert "memory_ramp_s" in hw.to_toml() and hardware.load(str(old)) == hw
     # one written before the replay's figure (CPU_CORE has none): the layer's whole figure stays at its forward
     last = tmp_path / "last.toml"

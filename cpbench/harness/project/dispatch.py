@@ -1,5 +1,6 @@
 """The host's time to dispatch cpbench's own eager step, measured here: the profiles' `cpu_op_s`,
-`cpu_fsdp_collective_s`, `cpu_optimizer_tensor_s`, `cpu_recompute_layer_s` and `cpu_recompute_replay_s`.
+`cpu_fsdp_collective_s`, `cpu_optimizer_tensor_s`, `cpu_recompute_layer_s`, `cpu_recompute_replay_s` and
+`cpu_selective_op_s`.
 
 An eager step costs the host time whatever its kernels compute: Python, autograd's graph, torch's dispatcher and
 allocator for every op; FSDP2's hooks around every unshard and reduce-scatter (DTensor bookkeeping, streams, copy-in
@@ -15,7 +16,8 @@ being measured); its process CPU time (not wall time: a busy machine does not in
 lengths and extrapolated to no tokens. Without FSDP that gives the time per op; with it, what FSDP2 adds, per
 collective; with every layer recomputed (activation checkpointing), what a recomputed layer adds beyond the ops it
 replays (each priced at the time per op), per layer, at its forward (the forward timed apart, against the plain
-step's) and the rest at its replay in backward; the optimizer step is timed apart. What a CUDA step adds (the
+step's) and the rest at its replay in backward; with op recompute (cp/recompute.py), what its selective-checkpoint
+modes add per op they see, beyond the same checkpoints' and ops' prices; the optimizer step is timed apart. What a CUDA step adds (the
 driver's launch of each kernel) and what it saves (the CPU kernel of a few elements) are not in it: both are a few
 microseconds.
 
@@ -34,12 +36,13 @@ LENGTHS = (8, 32)  # tokens per sequence: both tiny, so the extrapolation remove
 FSDP_COLLECTIVES = ("all_gather", "reduce_scatter")
 
 
-def _suite_text(model: str, world_size: int, layers: int, recompute: bool = False) -> str:
+def _suite_text(model: str, world_size: int, layers: int, recompute: bool = False, policy: str = "full") -> str:
     # a CUDA point (its kernel choices, the foreach optimizer), run on CPU tensors
     return (f'name = "dispatch"\nmodel = "{model}"\nseq_lens = [{", ".join(map(str, LENGTHS))}]\n'
             f'cp_sizes = [1]\nworld_size = {world_size}\ndtype = "float32"\ndevice = "cuda"\n'
             f'warmup_steps = 1\nmeasured_steps = 1\nmodel_overrides = {{num_hidden_layers = {layers}}}\n'
-            f'activation_checkpointing = {str(recompute).lower()}\n')
+            f'activation_checkpointing = {str(recompute).lower()}\n'
+            + (f'recompute_policy = "{policy}"\n' if recompute else ""))
 
 
 def step_costs(point, steps: int = 10) -> dict:
@@ -76,6 +79,7 @@ def step_costs(point, steps: int = 10) -> dict:
             costs = {"ops": sum(o.phase == "step" for o in priced), "forward_ops": forward_ops,
                      "checkpoints": sum(o.kind == "checkpoint" for o in trace.ops),
                      "replays": sum(o.kind == "replay" for o in trace.ops),
+                     "selective_ops": sum(o.selective for o in priced if o.phase == "step"),
                      "collectives": sum(o.phase == "step" and o.kind in FSDP_COLLECTIVES for o in priced),
                      "tensors": sum(o.tensors for o in priced if o.phase == "optimizer"),
                      **dict.fromkeys(("step_s", "forward_s", "optimizer_s"), float("inf"))}
@@ -100,12 +104,13 @@ def step_costs(point, steps: int = 10) -> dict:
         torch.set_num_threads(threads)
 
 
-def _at_no_tokens(model: str, world_size: int, layers: int, steps: int, recompute: bool = False) -> dict:
+def _at_no_tokens(model: str, world_size: int, layers: int, steps: int, recompute: bool = False,
+                  policy: str = "full") -> dict:
     """step_costs at the two lengths, the step's time and its forward's extrapolated to no tokens (`host_s`,
     `forward_host_s`)."""
     from cpbench.harness.suite.spec import load_suite
 
-    text = _suite_text(model, world_size, layers, recompute)
+    text = _suite_text(model, world_size, layers, recompute, policy)
     points = sorted(load_suite("dispatch.toml", text=text).points(), key=lambda p: p.seq_len)
     a, b = (step_costs(p, steps) | {"tokens": p.seq_len * p.batch_size} for p in points)
     if (a["ops"], a["forward_ops"], a["collectives"]) != (b["ops"], b["forward_ops"], b["collectives"]):
@@ -123,11 +128,12 @@ def measure(model: str = "tiny-llama", layers: int = 16, steps: int = 10, rounds
     once-per-step work weighs against as many layers' ops as it does there. The step with and without recompute is
     measured in alternating `rounds`, each keeping its least: the recompute figure is their difference, which a
     machine that slows between two separate measurements would distort."""
-    plain, again = [], []
+    plain, again, selective = [], [], []
     for _ in range(rounds):
         plain.append(_at_no_tokens(model, 1, layers, steps))
         again.append(_at_no_tokens(model, 1, layers, steps, recompute=True))
-    alone, recomputed = (min(runs, key=lambda r: r["host_s"]) for runs in (plain, again))
+        selective.append(_at_no_tokens(model, 1, layers, steps, recompute=True, policy="op"))
+    alone, recomputed, by_op = (min(runs, key=lambda r: r["host_s"]) for runs in (plain, again, selective))
     sharded = _at_no_tokens(model, 2, layers, steps)
     per_op = alone["host_s"] / alone["ops"]
     per_collective = (sharded["host_s"] - per_op * sharded["ops"]) / sharded["collectives"]
@@ -139,9 +145,14 @@ def measure(model: str = "tiny-llama", layers: int = 16, steps: int = 10, rounds
     per_layer = (recomputed["host_s"] - per_op * recomputed["ops"]) / layers_marked
     forward = (recomputed["forward_host_s"] - alone["forward_host_s"]
                - per_op * (recomputed["forward_ops"] - alone["forward_ops"])) / layers_marked
+    # op recompute: the same checkpoints and replays, its own ops priced per op; what is left, per op its
+    # selective-checkpoint modes saw
+    per_selective = ((by_op["host_s"] - per_op * by_op["ops"] - per_layer * by_op["checkpoints"])
+                     / by_op["selective_ops"])
     return {"model": model, "layers": layers, "cpu_op_s": per_op, "cpu_fsdp_collective_s": per_collective,
             "cpu_optimizer_tensor_s": per_tensor, "cpu_recompute_layer_s": forward,
             "cpu_recompute_replay_s": per_layer - forward, "recompute_total_s": per_layer, "alone": alone,
+            "cpu_selective_op_s": per_selective, "selective": by_op,
             "sharded": sharded, "recomputed": recomputed, "torch": torch.__version__, "cpu": _cpu_name()}
 
 
@@ -168,4 +179,7 @@ if __name__ == "__main__":
           f"its forward {1e3 * c['forward_host_s']:.2f} ms against {1e3 * a['forward_host_s']:.2f} plain "
           f"({c['forward_ops']} and {a['forward_ops']} ops): cpu_recompute_layer_s = "
           f"{1e6 * r['cpu_recompute_layer_s']:.0f} us, cpu_recompute_replay_s = "
-          f"{1e6 * r['cpu_recompute_replay_s']:.0f} us", flush=True)
+          f"{1e6 * r['cpu_recompute_replay_s']:.0f} us\n"
+          f"  op recompute: {r['selective']['ops']} ops, {r['selective']['selective_ops']} of them under its "
+          f"selective-checkpoint modes, {1e3 * r['selective']['host_s']:.2f} ms: "
+          f"cpu_selective_op_s = {1e6 * r['cpu_selective_op_s']:.1f} us", flush=True)

@@ -89,6 +89,9 @@ class Hardware:
     # before the replay's figure gives the whole at the forward.
     cpu_recompute_layer_s: float = 0.0
     cpu_recompute_replay_s: float = 0.0
+    # host time op recompute's selective-checkpoint modes add to each op they see, at a layer's forward and its replay
+    # (cp/recompute.py; dispatch.py)
+    cpu_selective_op_s: float = 0.0
     # an element-wise kernel's fixed time beyond its bytes at the efficient HBM bandwidth: its first wave's DRAM
     # latency and its tail, a time that does not shrink with a faster memory (elementwise.py)
     memory_ramp_s: float = 0.0
@@ -144,10 +147,10 @@ _RATE_FIELDS = {"hbm_tb_s": "hbm_bytes_per_s", "nvlink_gb_s": "intra_node_bytes_
                 "network_gb_s": "inter_node_bytes_per_s", "pcie_gb_s": "pcie_bytes_per_s",
                 "host_gb_s": "host_bytes_per_s"}
 _SCALARS = ("kernel_s", "cpu_op_s", "cuda_launch_s", "cpu_fsdp_collective_s", "cpu_optimizer_tensor_s",
-            "cpu_recompute_layer_s", "cpu_recompute_replay_s", "memory_ramp_s", "intra_node_latency_s",
-            "inter_node_latency_s", "nccl_sm_fraction")
+            "cpu_recompute_layer_s", "cpu_recompute_replay_s", "cpu_selective_op_s", "memory_ramp_s",
+            "intra_node_latency_s", "inter_node_latency_s", "nccl_sm_fraction")
 # Figures later stages added, which a profile file written before them lacks: 0, what the model then assumed
-_SCALARS_SINCE = ("cpu_recompute_layer_s", "cpu_recompute_replay_s", "memory_ramp_s")
+_SCALARS_SINCE = ("cpu_recompute_layer_s", "cpu_recompute_replay_s", "cpu_selective_op_s", "memory_ramp_s")
 _HALF = {"intra_node_half_mib": "intra_node_half_bytes", "inter_node_half_mib": "inter_node_half_bytes"}
 _DTYPES = {"bf16_tflops": "bfloat16", "fp16_tflops": "float16", "fp32_tflops": "float32",
            "bfloat16_tflops": "bfloat16", "float16_tflops": "float16", "float32_tflops": "float32"}

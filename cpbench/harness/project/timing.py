@@ -7,8 +7,8 @@ an offload copy its bytes over PCIe; an op of the optimizer step on the host its
 
 What overlaps what, as the code schedules it (trace.py names the streams):
 - the host dispatches ops one after another (`cpu_op_s` each; for each layer that activation checkpointing
-  recomputes, `cpu_recompute_layer_s` at its forward and `cpu_recompute_replay_s` at its replay) and runs ahead of
-  the GPU until something syncs it;
+  recomputes, `cpu_recompute_layer_s` at its forward and `cpu_recompute_replay_s` at its replay; under op recompute,
+  `cpu_selective_op_s` more for each op its modes see) and runs ahead of the GPU until something syncs it;
 - each stream runs its ops in order; an op starts when its stream is free, the host has issued it, and the buffers
   it reads are written (a kernel that reads an all-gathered weight or a received K/V block waits for that transfer);
 - NCCL's stream (ring send/receive, Ulysses all-to-all, all-reduce) and FSDP2's reduce-scatter also wait for the
@@ -109,7 +109,8 @@ def host_seconds(op: Op, hw: Hardware) -> float:
     an all-gather or reduce-scatter, or the optimizer step's ops by the tensors they take (dispatch.py measures
     each), and the driver's launch of its kernel (`cuda_launch_s`); a recomputed layer's checkpoint and replay,
     what torch.utils.checkpoint costs the host around its forward and its replay in backward (`cpu_recompute_layer_s`,
-    `cpu_recompute_replay_s`; no kernel)."""
+    `cpu_recompute_replay_s`; no kernel); an op that op recompute's selective-checkpoint modes see, their Python
+    (`cpu_selective_op_s`)."""
     if op.kind == "checkpoint":
         return hw.cpu_recompute_layer_s
     if op.kind == "replay":
@@ -118,7 +119,7 @@ def host_seconds(op: Op, hw: Hardware) -> float:
         return hw.cpu_optimizer_tensor_s * op.tensors + hw.cuda_launch_s
     if op.stream in ("ag", "rs") and op.kind in COLLECTIVE_KINDS:
         return hw.cpu_op_s + hw.cpu_fsdp_collective_s + hw.cuda_launch_s
-    return hw.cpu_op_s + hw.cuda_launch_s
+    return hw.cpu_op_s + hw.cuda_launch_s + (hw.cpu_selective_op_s if op.selective else 0.0)
 
 
 def simulate(ops: list[Op], hw: Hardware, dtype: str) -> dict:

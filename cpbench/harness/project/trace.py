@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from cpbench.cp.recompute import under_op_policy
 from cpbench.harness.measure.collectives import _OPS as COLLECTIVES
 from cpbench.harness.project import work
 
@@ -53,6 +54,7 @@ class Op(NamedTuple):
     tensors: int = 1  # the tensors the op takes (a foreach op: its lists'): its host cost in the optimizer step
     strided: bool = False  # an element-wise op reading or writing a strided view (timing.py: memory_strided)
     backward: bool = False  # dispatched by autograd's backward pass (timing.py: where the forward ends)
+    selective: bool = False  # dispatched under op recompute's selective-checkpoint modes (timing.py's host cost)
 
 
 _FREE_PREFIXES = ("profiler.", "prim.", "fsdp.copy_")  # bookkeeping ops and queries: no kernel
@@ -241,7 +243,7 @@ class StepTrace(TorchDispatchMode):
         self.ops.append(Op(stream, kind, self.phase, float(flops), float(moved), reads, writes, name=name,
                            shape=shape + (work.tensor_bytes(outputs[0]),) if kind == "gemm" and outputs else shape,
                            tensors=len(inputs), strided=kind == "memory" and _strided(inputs, written),
-                           backward=backward))
+                           backward=backward, selective=under_op_policy()))
         for key in writes:
             self._stream_of[key] = stream
             self._writer[key] = len(self.ops) - 1
