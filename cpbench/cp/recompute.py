@@ -15,8 +15,10 @@ torchtitan's `selective_checkpointing_context_fn` makes a fresh counter per call
 - the attention kernels' outputs (the output and its log-sum-exp): torch's SDPA kernels (`KEPT_ATTENTION`) and
   flash-attn 2's and 3's registered ops where those packages are loaded (`kept_attention`). FlashAttention-4 calls
   no dispatcher op, so nothing could keep it: suites refuse `op` with it (harness/suite/levers.py);
+  FlexAttention's higher-order op is kept too, as torchtitan keeps it (seen where flex runs a backward: on a GPU);
 - the 1st, 3rd, 5th ... matmul of the call (`MATMULS`: `mm`, `addmm`, `bmm`, `baddbmm`, `_grouped_mm`): a Llama
-  layer's q, k, v, o, gate, up, down projections keep q, v, gate and down, and recompute k, o and up;
+  layer's q, k, v, o, gate, up, down projections keep q, v, gate and down, and recompute k, o and up; a Float8
+  matmul (`_scaled_mm`, torchao's) is always kept and not counted, as torchtitan's list keeps it;
 - everything else, collectives included, is recomputed (as whole-layer recompute does), and so is all of what runs
   under `recomputed()`: the ring's attention (cp_ring, cp_ring_zigzag, cp_usp), whose tiles would otherwise all be
   kept (2·cp tiles of S/(2·cp) rows: the whole sequence's attention output on every rank, whatever cp), and the
@@ -51,6 +53,7 @@ KEPT_ATTENTION = _ops("_scaled_dot_product_flash_attention", "_scaled_dot_produc
                       "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
                       "_scaled_dot_product_fused_attention_overrideable", "_flash_attention_forward",
                       "_efficient_attention_forward")
+KEPT_ALWAYS = _ops("_scaled_mm")  # Float8 matmuls: kept whatever the count (torchtitan's _save_list)
 
 
 # flash-attn's registered forward ops (namespace, name): 2.6+ and 3 register them with torch.library
@@ -98,6 +101,11 @@ def recomputed():
 def kept_attention() -> frozenset:
     """The attention kernels whose outputs the op policy keeps: torch's, and flash-attn's where loaded."""
     found = set(KEPT_ATTENTION)
+    try:
+        from torch._higher_order_ops.flex_attention import flex_attention
+        found.add(flex_attention)
+    except ImportError:  # a torch without FlexAttention
+        pass
     for namespace, name in FLASH_ATTENTION_OPS:
         packet = getattr(getattr(torch.ops, namespace), name, None) if hasattr(torch.ops, namespace) else None
         if packet is not None:
@@ -117,7 +125,7 @@ def op_policy():
             phase = bool(getattr(ctx, "is_recompute", False))
             matmuls[phase] += 1
             return CheckpointPolicy.MUST_SAVE if matmuls[phase] % 2 else CheckpointPolicy.PREFER_RECOMPUTE
-        return CheckpointPolicy.MUST_SAVE if op in attention else CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if op in attention or op in KEPT_ALWAYS else CheckpointPolicy.PREFER_RECOMPUTE
 
     return policy
 
@@ -142,5 +150,5 @@ def use_recompute(model: torch.nn.Module, policy: str = "op", every_n_layers: in
     return model
 
 
-__all__ = ["KEPT_ATTENTION", "MATMULS", "POLICIES", "kept_attention", "op_contexts", "op_policy", "recomputed",
-           "under_op_policy", "use_recompute"]
+__all__ = ["KEPT_ALWAYS", "KEPT_ATTENTION", "MATMULS", "POLICIES", "kept_attention", "op_contexts", "op_policy",
+           "recomputed", "under_op_policy", "use_recompute"]

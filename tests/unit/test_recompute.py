@@ -30,6 +30,16 @@ def test_a_layer_keeps_its_attention_and_every_other_matmul():
     assert KEPT_ATTENTION <= kept_attention()  # and flash-attn's ops, where that package is loaded
 
 
+def test_float8_matmuls_and_flex_attention_are_kept_without_shifting_the_count():
+    from torch._higher_order_ops.flex_attention import flex_attention
+
+    policy = op_policy()
+    layer = [aten.mm.default, aten._scaled_mm.default, flex_attention, aten._scaled_mm.default, aten.mm.default,
+             aten.mm.default]
+    assert [policy(None, op) for op in layer] == [SAVE, SAVE, SAVE, SAVE, RECOMPUTE, SAVE]
+    assert flex_attention in kept_attention()
+
+
 def test_a_recompute_that_asks_again_gets_the_forwards_answers():
     # torch before 2.13 asks the policy again while it recomputes, and hands kept outputs back first in, first out:
     # the recompute's answers must be the forward's, op for op, though the forward has counted its matmuls already
