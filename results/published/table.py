@@ -39,7 +39,8 @@ def _cell(value: float, unit: str) -> str:
     return f"{value:,.0f} {unit}"
 
 
-def main() -> None:
+def render() -> str:
+    """table.md's text from the committed runs and measurements.toml (main writes it)."""
     lines = ["| measurement | configuration | tokens/GPU | measured | projected | error | notes |",
              "|---|---|---|---|---|---|---|"]
     judged = []  # (|error|, short)
@@ -64,8 +65,13 @@ def main() -> None:
                      f"{len(short)} of them at <= 64k tokens per GPU, {100 * sum(long) / len(long):.1f} % over the "
                      f"{len(long)} above.")
     lines += peaks(measurements) + parts(measurements) + orderings()
-    (HERE / "table.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    text = render()
+    (HERE / "table.md").write_text(text)
+    print(text, end="")
 
 
 def peaks(measurements: dict) -> list[str]:

@@ -92,3 +92,20 @@ def test_a_part_the_table_does_not_know_is_refused_with_the_known_ones():
     table = _table_script()
     with pytest.raises(ValueError, match=r"\[x\] parts: \['backward_s'\] is not a part.*'forward_backward_s'"):
         table.parts({"x": {"parts": {"backward_s": 0.1}}})
+
+
+def test_the_committed_table_is_what_its_runs_and_measurements_give():
+    # table.md is written by table.py from the runs and measurements.toml: a changed note or a re-projected row
+    # without the table rewritten (bash results/published/run.sh, or its last line alone) shows here
+    assert _table_script().render() == (PUBLISHED / "table.md").read_text()
+
+
+def test_the_docs_copies_of_published_rows_are_the_tables():
+    # docs/time.md carries rows of table.md; each one it carries (the same source and configuration) is the same row
+    rows = {tuple(line.split(" | ")[:2]): line for line in (PUBLISHED / "table.md").read_text().splitlines()
+            if line.startswith("| ")}
+    doc = (PUBLISHED.parents[1] / "docs" / "time.md").read_text().splitlines()
+    copies = [(line, rows[tuple(line.split(" | ")[:2])]) for line in doc if tuple(line.split(" | ")[:2]) in rows]
+    assert len(copies) >= 20
+    stale = [line[:120] for line, row in copies if line != row]
+    assert not stale, f"docs/time.md rows differ from results/published/table.md: {stale}"
