@@ -12,10 +12,10 @@ forward's own tensor, a recomputed one is the same op on the same inputs.
 
 What is kept, per checkpointed call (one decoder layer's forward; the count starts afresh at every call, as
 torchtitan's `selective_checkpointing_context_fn` makes a fresh counter per call):
-- the attention kernels' outputs (the output and its log-sum-exp): torch's SDPA kernels (`KEPT_ATTENTION`) and
-  flash-attn 2's and 3's registered ops where those packages are loaded (`kept_attention`). FlashAttention-4 calls
-  no dispatcher op, so nothing could keep it: suites refuse `op` with it (harness/suite/levers.py);
-  FlexAttention's higher-order op is kept too, as torchtitan keeps it (seen where flex runs a backward: on a GPU);
+- the attention kernels' outputs (the output and its log-sum-exp): torch's SDPA kernels and FlexAttention's
+  higher-order op (`KEPT_ATTENTION`), and flash-attn 2's and 3's registered ops where those packages are loaded
+  (`kept_attention`). FlashAttention-4 calls no dispatcher op, so nothing could keep it: suites refuse `op` with it
+  (harness/suite/levers.py);
 - the 1st, 3rd, 5th ... matmul of the call (`MATMULS`: `mm`, `addmm`, `bmm`, `baddbmm`, `_grouped_mm`): a Llama
   layer's q, k, v, o, gate, up, down projections keep q, v, gate and down, and recompute k, o and up; a Float8
   matmul (`_scaled_mm`, torchao's) is always kept and not counted, as torchtitan's list keeps it;
@@ -36,6 +36,7 @@ import contextlib
 import contextvars
 
 import torch
+from torch._higher_order_ops.flex_attention import flex_attention
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 POLICIES = ("full", "op")  # "full": the whole layer recomputed (transformers' own); "op": this module's rule
@@ -52,7 +53,7 @@ MATMULS = _ops("mm", "addmm", "bmm", "baddbmm", "_grouped_mm")
 KEPT_ATTENTION = _ops("_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
                       "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
                       "_scaled_dot_product_fused_attention_overrideable", "_flash_attention_forward",
-                      "_efficient_attention_forward")
+                      "_efficient_attention_forward") | {flex_attention}
 KEPT_ALWAYS = _ops("_scaled_mm")  # Float8 matmuls: kept whatever the count (torchtitan's _save_list)
 
 
@@ -101,11 +102,6 @@ def recomputed():
 def kept_attention() -> frozenset:
     """The attention kernels whose outputs the op policy keeps: torch's, and flash-attn's where loaded."""
     found = set(KEPT_ATTENTION)
-    try:
-        from torch._higher_order_ops.flex_attention import flex_attention
-        found.add(flex_attention)
-    except ImportError:  # a torch without FlexAttention
-        pass
     for namespace, name in FLASH_ATTENTION_OPS:
         packet = getattr(getattr(torch.ops, namespace), name, None) if hasattr(torch.ops, namespace) else None
         if packet is not None:
@@ -116,7 +112,7 @@ def kept_attention() -> frozenset:
 def op_policy():
     """A fresh policy for one checkpointed call: what it keeps and what it recomputes (the module's docstring)."""
     matmuls = {False: 0, True: 0}  # the forward's and the recompute's apart
-    attention = kept_attention()
+    kept = kept_attention() | KEPT_ALWAYS
 
     def policy(ctx, op, *args, **kwargs):
         if _RECOMPUTED.get():
@@ -125,7 +121,7 @@ def op_policy():
             phase = bool(getattr(ctx, "is_recompute", False))
             matmuls[phase] += 1
             return CheckpointPolicy.MUST_SAVE if matmuls[phase] % 2 else CheckpointPolicy.PREFER_RECOMPUTE
-        return CheckpointPolicy.MUST_SAVE if op in attention or op in KEPT_ALWAYS else CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if op in kept else CheckpointPolicy.PREFER_RECOMPUTE
 
     return policy
 

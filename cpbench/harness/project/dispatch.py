@@ -17,9 +17,9 @@ lengths and extrapolated to no tokens. Without FSDP that gives the time per op; 
 collective; with every layer recomputed (activation checkpointing), what a recomputed layer adds beyond the ops it
 replays (each priced at the time per op), per layer, at its forward (the forward timed apart, against the plain
 step's) and the rest at its replay in backward; with op recompute (cp/recompute.py), what its selective-checkpoint
-modes add per op they see, beyond the same checkpoints' and ops' prices; the optimizer step is timed apart. What a CUDA step adds (the
-driver's launch of each kernel) and what it saves (the CPU kernel of a few elements) are not in it: both are a few
-microseconds.
+modes add per op they see, beyond the same checkpoints' and ops' prices; the optimizer step is timed apart. What a
+CUDA step adds (the driver's launch of each kernel) and what it saves (the CPU kernel of a few elements) are not in
+it: both are a few microseconds.
 
     python -m cpbench.harness.project.dispatch            # prints the measurement (a few minutes)
 """
