@@ -131,12 +131,17 @@ def parts(measurements: dict) -> list[str]:
     return lines if len(lines) > 2 else []
 
 
+METRICS = {"step_s": (1, " s"), "tokens_per_s_per_gpu": (1, " tok/s/GPU"), "tflops": (1e12, " TFLOPS")}  # shown as
 
-def _metric(row, metric: str) -> float:
-    """A projected run's side of a comparison, larger is faster (tests/unit/test_published.py reads it alike)."""
-    if metric == "step_s":
+
+def metric(row, name: str) -> float:
+    """A projected run's side of a comparison, larger is faster (a step is negated); tests/unit/test_published.py
+    holds the judged comparisons by it."""
+    if name not in METRICS:
+        raise ValueError(f"orderings.toml: metric = {name!r} is not one of {', '.join(METRICS)}")
+    if name == "step_s":
         return -row["projected_step_s"]
-    if metric == "tokens_per_s_per_gpu":
+    if name == "tokens_per_s_per_gpu":
         return row["projected_tokens_per_s"] / row["world_size"]
     return row["flops_per_step"] / row["world_size"] / row["projected_step_s"]
 
@@ -150,9 +155,8 @@ def orderings() -> list[str]:
         rows = [_row(run) for run in spec.get("fastest_first", ())]
         if not rows or any(r is None for r in rows):
             continue
-        values = [_metric(r, spec["metric"]) for r in rows]
-        unit = {"step_s": (1, " s"), "tokens_per_s_per_gpu": (1, " tok/s/GPU"), "tflops": (1e12, " TFLOPS")}
-        scale, suffix = unit[spec["metric"]]
+        values = [metric(r, spec["metric"]) for r in rows]
+        scale, suffix = METRICS[spec["metric"]]
         shown = ", ".join(f"{abs(v) / scale:,.4g}{suffix}" for v in values)
         same = "yes" if values == sorted(values, reverse=True) else "no"
         judged = "yes" if spec.get("judged", True) else f"no: {spec['differs']}"

@@ -4,6 +4,7 @@ says where it comes from and what it holds."""
 
 from __future__ import annotations
 
+import functools
 import tomllib
 from pathlib import Path
 
@@ -19,12 +20,7 @@ def _metric(name: str, metric: str) -> float:
     (run,) = (PUBLISHED / "runs").glob(f"*/{name}/runs.parquet")
     row = store.read_run(run).iloc[0]
     assert row["projected_step_s"] == row["projected_step_s"], (name, row["status"], row["status_detail"])
-    if metric == "step_s":
-        return -row["projected_step_s"]  # larger is faster
-    if metric == "tokens_per_s_per_gpu":
-        return row["projected_tokens_per_s"] / row["world_size"]
-    assert metric == "tflops", metric
-    return row["flops_per_step"] / row["world_size"] / row["projected_step_s"]
+    return _table_script().metric(row, metric)  # larger is faster: table.md's "same order" column reads it too
 
 
 @pytest.mark.parametrize("comparison", sorted(ORDERINGS))
@@ -54,6 +50,7 @@ def test_every_published_row_says_its_source_configuration_and_tokens_per_gpu():
             assert m.get("differs"), f"{name}: a row left out of the mean says why"
 
 
+@functools.cache
 def _table_script():
     import importlib.util
 
@@ -88,8 +85,10 @@ def test_the_parts_a_source_times_apart_are_projected_and_add_up_to_the_step():
     assert len(table.parts(rows)) == 2 + sum(len(m["parts"]) for m in rows.values())  # a line for every part
 
 
-def test_a_part_the_table_does_not_know_is_refused_with_the_known_ones():
+def test_a_part_or_metric_the_table_does_not_know_is_refused_with_the_known_ones():
     table = _table_script()
+    with pytest.raises(ValueError, match=r"metric = 'tok_s' is not one of step_s, tokens_per_s_per_gpu, tflops"):
+        table.metric({}, "tok_s")
     with pytest.raises(ValueError, match=r"\[x\] parts: \['backward_s'\] is not a part.*'forward_backward_s'"):
         table.parts({"x": {"parts": {"backward_s": 0.1}}})
 
