@@ -8,7 +8,7 @@ from importlib import import_module
 
 __version__ = "0.1.0"
 _CP_API = ("DistributedConfig", "SequenceLayout", "gather_sequence", "parallelize", "register_attention_style",
-           "use_balance", "use_loss", "use_recompute", "use_tiled_mlp")
+           "use_balance", "use_fused_norm", "use_loss", "use_recompute", "use_tiled_mlp")
 __all__ = list(_CP_API)
 
 

@@ -61,7 +61,8 @@ def _row(rng, backend, cp, style, seq_len, oom_cp1_at, steps, noise, run_id) -> 
             "loss_mode": "full", "activation_checkpointing": False, "mixed_precision": False,
             "level": "model", "implementation": "cpbench", "cp_ulysses_degree": 1, "recompute_every_n_layers": 1,
             "offload_activations": False, "offload_params": False, "tiled_mlp": "off", "documents": "none",
-            "compile": "off", "balance": "documents", "recompute_policy": "full"}
+            "compile": "off", "balance": "documents", "recompute_policy": "full",
+            "norm": "eager"}
     row = {name: None for name in ARROW_SCHEMA.names}
     row.update(spec)
     row.update(_identity(spec, run_id, steps))

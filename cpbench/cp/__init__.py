@@ -5,6 +5,7 @@ from cpbench.cp import apply, hf_compat
 from cpbench.cp.apply import parallelize, use_loss
 from cpbench.cp.balance import use_balance
 from cpbench.cp.config import DistributedConfig
+from cpbench.cp.fused import use_fused_norm
 from cpbench.cp.layout import SequenceLayout, gather_sequence
 from cpbench.cp.loss.causal_lm import cp_causal_lm_loss
 from cpbench.cp.plan import DEFAULT_BASE_MODEL_CP_PLAN, FAMILY_CP_PLANS, ResolvedPlan, resolve_plan
@@ -40,6 +41,7 @@ __all__ = [
     "register_attention_style",
     "resolve_plan",
     "use_balance",
+    "use_fused_norm",
     "use_loss",
     "use_recompute",
     "use_tiled_mlp",

@@ -64,6 +64,9 @@ def register(subparsers) -> None:
     quick.add_argument("--recompute-policy", default="full", choices=("full", "op"),
                        help="with --recompute: full (whole layers, the default) | op (each recomputed layer keeps its "
                             "attention kernels' and every other matmul's outputs: torchtitan's selective op recompute)")
+    quick.add_argument("--norm", default="eager", choices=("eager", "fused"),
+                       help="the model's RMSNorms: eager (transformers', the default) | fused (one op forward and one "
+                            "backward: cpbench.use_fused_norm)")
     quick.add_argument("--offload-activations", action="store_true",
                        help="with --recompute: the recompute checkpoints in pinned host memory")
     quick.add_argument("--offload-params", action="store_true",
@@ -105,7 +108,7 @@ def _quick_suite(args):
               "batch_kind": args.batch_kind, "batch_size": args.batch_size, "loss": args.loss,
               "activation_checkpointing": args.recompute,
               "mixed_precision": args.mixed_precision, "recompute_every_n_layers": args.recompute_every,
-              "recompute_policy": args.recompute_policy,
+              "recompute_policy": args.recompute_policy, "norm": args.norm,
               "offload_activations": args.offload_activations, "offload_params": args.offload_params,
               "warmup_steps": 1, "measured_steps": 1}
     if args.compile is not None:

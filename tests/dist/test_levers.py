@@ -7,7 +7,9 @@
   every other matmul's outputs; the ring's and the tiled MLP's tiles recomputed whole);
 - parameter and optimizer offload (`DistributedConfig(fsdp_cpu_offload=True)`, FSDP2's CPUOffloadPolicy; on CPU it
   pins nothing, see cpbench/cp/hf_compat/__init__.py), with an optimizer step;
-- all of them together with the chunked loss, with whole-layer recompute ("all") and with op recompute ("all_op").
+- all of them together with the chunked loss and the fused RMSNorm (`cpbench.use_fused_norm`: one op each way,
+  inside the tiled MLP's tiles where the norm joins them), with whole-layer recompute ("all") and with op recompute
+  ("all_op").
 
 Each alone and all together, with cp_ulysses, cp_ring and cp_ring_zigzag at cp 2 (a 4-layer tiny Qwen3, and all
 levers on a realistic-width Llama: hidden 512, head dim 64, intermediate 2048), and cp_usp (2 x 2) on 4 ranks: the
@@ -37,6 +39,8 @@ def _load(path: str, style: str, lever: str, cp: int):
         cp_ulysses_degree=2 if style == "cp_usp" else None)
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa", dtype=torch.float32,
                                                  distributed_config=config)
+    if lever in ALL:  # before the tiled MLP, which moves the norm feeding the MLP into its tiles
+        cpbench.use_fused_norm(model)
     if lever in ("offload_activations", "all"):
         model.activation_checkpointing_enable(every_n_layers=2, offload=True)
     if lever in ("recompute_op", "all_op"):

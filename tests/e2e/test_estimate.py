@@ -48,6 +48,7 @@ def matrix():
                       'attn_implementations = ["sdpa"]\ncp_styles = ["cp_ring"]\n')
     points += _points('model = "tiny-qwen3"\nseq_lens = [256]\ncp_sizes = [2]\nmixed_precision = true\n'  # fp32 masters
                       'activation_checkpointing = true\nrecompute_policy = "op"\n'  # kept outputs: checkpoint's own
+                      'norm = "fused"\n'  # the fused norm's own ops: their outputs and what they keep
                       'keep_outputs = true\ndtype = "bfloat16"\nattn_implementations = ["sdpa"]\n'
                       'cp_styles = ["cp_ulysses"]\n')
     return points

@@ -21,6 +21,8 @@ FORBIDDEN = {
                         "cpbench.cp.usp", "cpbench.cp.split", "cpbench.cp.forward"),
     "cpbench.cp.loss": ("cpbench.cp.ring", "cpbench.cp.apply", "cpbench.cp.plan", "cpbench.cp.ulysses",
                         "cpbench.cp.usp"),
+    "cpbench.cp.fused": ("cpbench.cp.ring", "cpbench.cp.apply", "cpbench.cp.plan", "cpbench.cp.loss",
+                         "cpbench.cp.ulysses", "cpbench.cp.usp", "cpbench.cp.split", "cpbench.cp.forward"),
     "cpbench.report": ("cpbench.cp", "cpbench.harness", "cpbench.cli"),
     "cpbench.report.runs": ("cpbench.report.tables", "cpbench.report.plots", "cpbench.report.page",
                             "cpbench.report.peers", "cpbench.report.compare", "cpbench.report.gate",

@@ -83,3 +83,18 @@ def test_op_recompute_is_refused_where_it_cannot_keep_what_it_says(extra, needle
     with pytest.raises(SuiteErrors) as e:
         _suite('activation_checkpointing = true\nrecompute_policy = "op"\ndevice = "cuda"\n' + extra)
     assert "`recompute_policy` = 'op'" in str(e.value) and needle in str(e.value)
+
+
+def test_the_fused_norm_reaches_the_points_and_their_names():
+    eager, fused = _suite("").points()[1], _suite('norm = "fused"\n').points()[1]
+    assert (eager.norm, fused.norm) == ("eager", "fused")
+    assert fused.point_id == eager.point_id + "/fused-norm"
+    assert fused.point_key != eager.point_key  # a key column, default "eager"
+
+
+def test_a_norm_the_fused_op_cannot_compute_is_refused_before_a_launch():
+    with pytest.raises(SuiteErrors) as e:
+        load_suite("t.toml", text='model = "tiny-gemma3"\nseq_lens = [256]\ncp_sizes = [1]\nnorm = "fused"\n')
+    assert "`norm` = 'fused'" in str(e.value) and "Gemma3RMSNorm" in str(e.value) and 'norm = "eager"' in str(e.value)
+    with pytest.raises(SuiteErrors, match="`norm` = 'triton'.*must be one of 'eager', 'fused'"):
+        _suite('norm = "triton"\n')

@@ -79,7 +79,7 @@ def build_reference_model(point: Point, device) -> torch.nn.Module:
 
 
 def distribute(model: torch.nn.Module, point: Point, mesh=None, kernel_device=None) -> torch.nn.Module:
-    """The point's levers (selective recompute, activation offload, the tiled MLP), FSDP2 over fsdp x cp (with
+    """The point's levers (selective recompute, activation offload, the fused norm, the tiled MLP), FSDP2 over fsdp x cp (with
     parameter offload), the point's CP style and its loss. `mesh`: one built beforehand (a projection builds
     it outside its fake-tensor mode); `kernel_device`: whose attention kernels CP picks, a device type or the
     `KernelTarget` of a GPU (see DistributedConfig)."""
@@ -92,6 +92,8 @@ def distribute(model: torch.nn.Module, point: Point, mesh=None, kernel_device=No
         # (measure/reference.py): the levers change where and when values live, never the values.
         cpbench.use_recompute(model, point.recompute_policy, every_n_layers=point.recompute_every_n_layers,
                               offload=point.offload_activations)
+    if point.norm == "fused":  # before the tiled MLP, which moves a norm's call into its tiles
+        cpbench.use_fused_norm(model)
     if point.tiled_mlp != "off":
         cpbench.use_tiled_mlp(model, "auto" if point.tiled_mlp == "auto" else int(point.tiled_mlp))
     if point.world_size > 1:

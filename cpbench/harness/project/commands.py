@@ -133,7 +133,8 @@ def plan_table(best) -> str:
         recompute = "recompute" + (" (op)" if r.get("recompute_policy", "full") == "op" else "")
         levers = [n for n, on in ((recompute, r["activation_checkpointing"]), ("chunked loss",
                   r["loss_mode"] == "chunked"), ("offload act.", r["offload_activations"]),
-                  ("tiled MLP", r["tiled_mlp"] not in (None, "off", "")), ("offload params", r["offload_params"]))
+                  ("tiled MLP", r["tiled_mlp"] not in (None, "off", "")), ("offload params", r["offload_params"]),
+                  ("fused norm", r.get("norm") == "fused"))
                   if on]
         config = _config(r)
         host = r.get("host_node_peak_bytes")
@@ -166,7 +167,7 @@ def _attention_entries(r) -> dict:
 
 
 def _model_calls(r) -> list[str]:
-    calls = []
+    calls = ["cpbench.use_fused_norm(model)"] if r.get("norm") == "fused" else []
     if r["activation_checkpointing"] and r.get("recompute_policy", "full") != "full":
         calls.append(f"cpbench.use_recompute(model, {r['recompute_policy']!r}"
                      + (", offload=True" if r["offload_activations"] else "") + ")")

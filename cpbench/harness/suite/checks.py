@@ -53,6 +53,7 @@ def validate(suite, *, allow_faults: bool = False, source: str = "suite") -> Non
     if config is not None:
         found.run(grid_checks.check_lengths_fit, suite, config)
         found.run(grid_checks.check_heads, suite, config)
+        found.run(levers.check_norm, suite, config)
     found.raise_any(source)
 
 
@@ -153,6 +154,7 @@ _SCALARS = {  # field -> (check, what to write)
     "loss": (lambda v: isinstance(v, str), 'a string, e.g. loss = "chunked"'),
     "activation_checkpointing": (lambda v: isinstance(v, bool), "true or false"),
     "mixed_precision": (lambda v: isinstance(v, bool), "true or false"),
+    "norm": (lambda v: isinstance(v, str), 'a string, e.g. norm = "fused"'),
     "parity": (lambda v: isinstance(v, str), 'a string, e.g. parity = "auto"'),
     "reference": (lambda v: isinstance(v, str), 'a string, e.g. reference = "sharded"'),
     "timeout_s": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number of seconds"),

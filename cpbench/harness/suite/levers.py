@@ -1,6 +1,6 @@
 """The levers of a suite, checked: recompute (every layer or every n-th; whole layers or op by op), activation
 offload (the recompute checkpoints in host memory), parameter and optimizer offload (FSDP2's CPUOffloadPolicy), the
-sequence-tiled MLP and torch.compile of each decoder layer. Each error names the field, the value and the fix; every
+sequence-tiled MLP, the fused norm and torch.compile of each decoder layer. Each error names the field, the value and the fix; every
 one is reported (suite_errors.py)."""
 
 from __future__ import annotations
@@ -73,11 +73,35 @@ def check_levers(suite) -> None:
     if not (isinstance(tiles, bool) or tiles == TILED_MLP_AUTO or (_is_count(tiles) and tiles >= 1)):
         found.errors.append(str(err("tiled_mlp", tiles, "must be true, false, \"auto\" (tiles whose largest "
                                     "intermediate stays within 1 GiB) or a tile count >= 1.")))
+    from cpbench.cp.fused.norm import NORM_MODES
+
+    if suite.norm not in NORM_MODES:
+        found.errors.append(str(err("norm", suite.norm, f"must be one of {', '.join(map(repr, NORM_MODES))}: "
+                                    "'fused' runs every RMSNorm as one op forward and one backward.")))
     mode = suite.compile
     if not (isinstance(mode, bool) or mode in ("off", "on", *COMPILE_MODES)):
         found.errors.append(str(err("compile", mode, f"must be true, false, \"on\", \"off\" or a torch.compile mode "
                                     f"{list(COMPILE_MODES)}.")))
     found.raise_any()
+
+
+def check_norm(suite, config) -> None:
+    """`norm = "fused"` on a model whose RMSNorm the fused op does not compute: refused before any launch (the model
+    built on the meta device, its norms' classes read)."""
+    if suite.norm != "fused":
+        return
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from cpbench.cp.fused.norm import unfusable_norms
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    other = unfusable_norms(model)
+    names = [type(m).__name__ for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
+    if other or not names:
+        raise err("norm", "fused", f"fuses transformers' Llama RMSNorm only; {suite.model}'s norms are "
+                  f"{', '.join(other) or 'none'}: set norm = \"eager\".")
 
 
 def check_offload_world(suite) -> None:

@@ -54,6 +54,7 @@ class Suite:
     recompute_policy: str = "full"
     offload_activations: bool = False  # the recompute checkpoints in (pinned) host memory (transformers' offload)
     offload_params: bool = False  # FSDP2's CPUOffloadPolicy: parameters, gradients, optimizer state on the host
+    norm: str = "eager"  # "fused": every RMSNorm as one op each way (cpbench.use_fused_norm)
     tiled_mlp: bool | int | str = False  # true / "auto" / a tile count: each layer's MLP over tiles of the sequence
     # FSDP2's mixed precision: fp32 weights, gradients and optimizer state (the master copy), compute in `dtype`
     # (bfloat16), gradients reduced in fp32 (transformers' `fsdp_mixed_precision`). Needs FSDP: world_size > 1.
@@ -121,6 +122,7 @@ class Point:
     offload_activations: bool = False
     offload_params: bool = False
     tiled_mlp: str = "off"  # "off", "auto" or a tile count
+    norm: str = "eager"
     mixed_precision: bool = False
     parity_mode: str
     reference: str = "auto"
@@ -164,6 +166,8 @@ class Point:
             parts.append("offload-params")
         if self.tiled_mlp != "off":
             parts.append(f"tiled-mlp-{self.tiled_mlp}")
+        if self.norm != "eager":
+            parts.append(f"{self.norm}-norm")
         if self.compile != "off":
             parts.append("compiled" + ("" if self.compile == "default" else f"-{self.compile}"))
         if self.mixed_precision:
@@ -300,7 +304,7 @@ def _point(suite: Suite, model: str, cp: int, attn: str, style: str, seq_len: in
         recompute_every_n_layers=suite.recompute_every_n_layers if suite.activation_checkpointing else 1,
         recompute_policy=suite.recompute_policy if suite.activation_checkpointing else "full",
         offload_activations=suite.offload_activations, offload_params=suite.offload_params and world > 1,
-        tiled_mlp=tiled_mlp_tiles(suite.tiled_mlp), compile=compile_mode(suite.compile),
+        tiled_mlp=tiled_mlp_tiles(suite.tiled_mlp), norm=suite.norm, compile=compile_mode(suite.compile),
         parity_mode=suite.parity, reference=suite.reference, timeout_s=float(suite.timeout_s),
         seed=suite.seed, level=suite.level, implementation=impl,
         cp_ulysses_degree=suite.cp_ulysses_degree if style == "cp_usp" else 1, cp_plan=dict(suite.cp_plan),

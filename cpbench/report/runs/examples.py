@@ -48,6 +48,7 @@ KEY_VALUES = {
     "cp_ulysses_degree": (1, 2),
     "recompute_every_n_layers": (1, 2),
     "recompute_policy": ("full", "op"),
+    "norm": ("eager", "fused"),
     "offload_activations": (False, True),
     "offload_params": (False, True),
     "tiled_mlp": ("off", "auto", "4"),

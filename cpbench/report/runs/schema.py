@@ -30,7 +30,9 @@ import pyarrow as pa
 #     file is read with it null.
 # 13: what a recomputed layer keeps (`recompute_policy`: full or op), which identifies a point (an older file's rows
 #     recomputed whole layers, "full").
-SCHEMA_VERSION = 13
+# 14: how a point runs the model's RMSNorms (`norm`: eager or fused), which identifies a point (an older file's rows
+#     ran transformers' eager norm).
+SCHEMA_VERSION = 14
 MEASUREMENTS = ("measured", "projected")
 
 STATUSES = ("ok", "oom", "error", "timeout", "skipped")
@@ -74,6 +76,8 @@ COLUMNS: dict[str, tuple[pa.DataType, str]] = {
     "offload_activations": (pa.bool_(), "the recompute checkpoints held in (pinned) host memory"),
     "offload_params": (pa.bool_(), "FSDP2's CPUOffloadPolicy: parameters, gradients and optimizer state on the host"),
     "tiled_mlp": (pa.string(), "each decoder layer's MLP over tiles of the sequence: off | auto | the tile count"),
+    "norm": (pa.string(), "the model's RMSNorms: eager (transformers') | fused (one op each way: "
+             "cpbench.use_fused_norm)"),
     "documents": (pa.string(), "the packed documents of each row: none (batch_kind says plain, packed or padded as "
                   "before), a shipped mix's name, or lengths:<hash> for lengths given (spec_json holds them)"),
     "balance": (pa.string(), "the zigzag ring's placement (cp_ring_zigzag, cp_usp): documents (each rank the same "
@@ -223,13 +227,15 @@ _V11 = ("projected_forward_s", "projected_backward_s")
 _V12 = ("projected_attention_s",)
 ADDED_IN = {8: [name for name in COLUMNS if (name == "gpu_profile" or name.startswith("projected_"))
                 and name not in _V9 + _V11 + _V12],
-            9: list(_V9), 10: ["balance"], 11: list(_V11), 12: list(_V12), 13: ["recompute_policy"]}
+            9: list(_V9), 10: ["balance"], 11: list(_V11), 12: list(_V12), 13: ["recompute_policy"],
+            14: ["norm"]}
 # version -> the columns added after it (a file of that version is read with them null, or with DEFAULTS)
 ADDED_SINCE = {v: [name for later, names in ADDED_IN.items() if later > v for name in names]
                for v in range(7, SCHEMA_VERSION)}
 # What an older file's rows had, for the added columns that identify a point: no documents, no compile, the zigzag
-# balanced by documents, whole layers recomputed.
-DEFAULTS = {"documents": "none", "compile": "off", "balance": "documents", "recompute_policy": "full"}
+# balanced by documents, whole layers recomputed, the eager norm.
+DEFAULTS = {"documents": "none", "compile": "off", "balance": "documents", "recompute_policy": "full",
+            "norm": "eager"}
 
 ARROW_SCHEMA = pa.schema(
     [pa.field(name, typ) for name, (typ, _) in COLUMNS.items()],
@@ -241,7 +247,7 @@ KEY_COLUMNS = (
     "model", "seq_len", "batch_size", "batch_kind", "cp_size", "fsdp_size", "dp_replicate_size",
     "attn_implementation", "cp_style", "dtype", "device", "keep_outputs", "loss_mode", "activation_checkpointing",
     "mixed_precision", "level", "implementation", "cp_ulysses_degree", "recompute_every_n_layers",
-    "offload_activations", "offload_params", "tiled_mlp", "documents", "compile", "balance", "recompute_policy",
+    "offload_activations", "offload_params", "tiled_mlp", "documents", "compile", "balance", "recompute_policy", "norm",
 )
 
 

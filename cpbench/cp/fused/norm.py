@@ -1,0 +1,141 @@
+"""A fused RMSNorm: each of a model's RMSNorm modules runs as one op forward (`cpbench::rms_norm`) and one op
+backward (`cpbench::rms_norm_backward`), saving for the backward only its input and one fp32 statistic a row.
+
+transformers' eager RMSNorm is some ten kernels (the input cast to fp32, its square, the mean, the add of eps, the
+rsqrt, the multiply, the cast back, the weight's multiply), each through HBM, and autograd keeps their fp32
+intermediates for the backward, which runs as many again. A fused norm reads the input once and writes the output
+once each way, as torchtitan's Llama ran it in its April 2024 benchmarks (a Triton `fused_rmsnorm`) and as Liger's
+RMSNorm runs it.
+
+On a CUDA device the ops call torch's own fused kernels, `aten._fused_rms_norm` and `aten._fused_rms_norm_backward`
+(aten/src/ATen/native/cuda/layer_norm_kernel.cu: `_fused_rms_norm_cuda`, `_fused_rms_norm_backward_cuda`; fp32
+statistics, the weight applied in fp32 before the one cast back, so a bf16 output can differ from the eager norm's
+by one rounding). Elsewhere (a CPU has no such kernel: torch decomposes the forward and has no backward) the ops run
+the eager norm's own arithmetic, in its order. Either way the two ops are what a step's trace sees, so a projection
+prices one fused kernel each way (its bytes in and out) and counts the memory the fused norm keeps.
+
+Only a norm whose forward is transformers' Llama RMSNorm's, source for source (`weight * (x.float() * rsqrt(mean(x²)
++ eps)).to(dtype)`: some 140 families' norms are), is replaced; a model with another RMSNorm (Gemma's `1 + weight`,
+OLMo's order) is refused with the classes named.
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+from functools import lru_cache
+
+import torch
+
+NORM_MODES = ("eager", "fused")
+FUSED_ATTR = "_cpbench_fused_norm"
+
+
+def _has_cuda_kernel(name: str) -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key(name, "CUDA")
+
+
+def _torch_kernel(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """torch's fused CUDA kernels take this call: a CUDA tensor and a weight of its dtype."""
+    return x.is_cuda and weight.dtype == x.dtype and _has_cuda_kernel("aten::_fused_rms_norm_backward")
+
+
+@torch.library.custom_op("cpbench::rms_norm", mutates_args=())
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The normalized `x` times `weight`, and the fp32 reciprocal RMS of each row (`[..., 1]`)."""
+    if _torch_kernel(x, weight):
+        out, rstd = torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], weight, eps)
+        return out, rstd.view(*x.shape[:-1], 1)
+    h = x.to(torch.float32)
+    rstd = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * (h * rstd).to(x.dtype), rstd
+
+
+@rms_norm.register_fake
+def _(x, weight, eps):
+    out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    return out, x.new_empty((*x.shape[:-1], 1), dtype=torch.float32)
+
+
+@torch.library.custom_op("cpbench::rms_norm_backward", mutates_args=())
+def rms_norm_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                      rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradients of `x` and `weight`, from the forward's input and statistic."""
+    if _torch_kernel(x, weight):
+        dx, dw = torch.ops.aten._fused_rms_norm_backward(grad, x, [x.shape[-1]], rstd, weight, [True, True])
+        return dx, dw
+    normed = x.to(torch.float32) * rstd
+    dw = (grad * normed.to(x.dtype)).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+    dn = (grad * weight).to(torch.float32)
+    dx = rstd * (dn - normed * (dn * normed).mean(-1, keepdim=True))
+    return dx.to(x.dtype), dw
+
+
+@rms_norm_backward.register_fake
+def _(grad, x, weight, rstd):
+    return torch.empty_like(x), torch.empty_like(weight)
+
+
+def _setup(ctx, inputs, output):
+    x, weight, _ = inputs
+    ctx.save_for_backward(x, weight, output[1])
+    ctx.set_materialize_grads(False)  # the statistic takes no gradient: no zeros made for it
+
+
+def _backward(ctx, grad, _grad_rstd):
+    if grad is None:  # the output took no part in the loss
+        return None, None, None
+    x, weight, rstd = ctx.saved_tensors
+    dx, dw = rms_norm_backward(grad.contiguous(), x, weight, rstd)
+    return dx, dw, None
+
+
+rms_norm.register_autograd(_backward, setup_context=_setup)
+
+
+@lru_cache(maxsize=1)
+def _llama_forward_source() -> str:
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    return inspect.getsource(LlamaRMSNorm.forward)
+
+
+@lru_cache(maxsize=None)
+def _is_llama_norm(cls: type) -> bool:
+    try:
+        return inspect.getsource(cls.forward) == _llama_forward_source()
+    except (OSError, TypeError):
+        return False
+
+
+def _fused_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    return rms_norm(hidden_states, self.weight, float(self.variance_epsilon))[0]
+
+
+def unfusable_norms(model: torch.nn.Module) -> list[str]:
+    """The RMSNorm classes of `model` the fused op does not compute (their forward is not the Llama norm's)."""
+    return sorted({type(m).__name__ for m in model.modules()
+                   if type(m).__name__.endswith("RMSNorm") and not _is_llama_norm(type(m))})
+
+
+def use_fused_norm(model: torch.nn.Module) -> torch.nn.Module:
+    """Run every RMSNorm of `model` as the fused ops (module names, weights and FSDP groups unchanged). Call it
+    before `use_tiled_mlp` (which moves a norm's call into its tiles). Returns the model; calling it again does
+    nothing more."""
+    norms = [(name, m) for name, m in model.named_modules() if type(m).__name__.endswith("RMSNorm")]
+    other = unfusable_norms(model)
+    if other:
+        raise ValueError(
+            f"fused norm: {type(model).__name__} has RMSNorm modules whose forward is not transformers' Llama "
+            f"RMSNorm's ({', '.join(other)}); the fused op computes only that one: leave norm = 'eager' for it.")
+    if not norms:
+        raise ValueError(f"fused norm: {type(model).__name__} has no RMSNorm module to fuse: leave norm = 'eager'.")
+    for name, module in norms:
+        if getattr(module, FUSED_ATTR, False):
+            continue
+        if "forward" in vars(module):
+            raise ValueError(f"fused norm: {name}'s forward is already replaced (use_tiled_mlp moves a norm into "
+                             "its tiles): call cpbench.use_fused_norm before cpbench.use_tiled_mlp.")
+        module.forward = types.MethodType(_fused_forward, module)
+        setattr(module, FUSED_ATTR, True)
+    return model

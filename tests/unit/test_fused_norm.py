@@ -1,0 +1,141 @@
+"""The fused RMSNorm (cpbench/cp/fused/norm.py): the eager norm's values, one op each way, less memory kept for the
+backward, and every model it cannot fuse refused with its classes named."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import AutoModelForCausalLM
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+import cpbench
+from cpbench.cp.fused.norm import rms_norm, unfusable_norms
+from tests.dist.models import make_batch, tiny_config
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+class _Holder(torch.nn.Module):
+    def __init__(self, norm):
+        super().__init__()
+        self.norm = norm
+
+
+def _pair(width: int, dtype, eps: float = 1e-6):
+    eager = LlamaRMSNorm(width, eps=eps).to(dtype)
+    eager.weight.data = torch.randn(width).to(dtype)
+    fused = copy.deepcopy(eager)
+    cpbench.use_fused_norm(_Holder(fused))
+    return eager, fused
+
+
+@settings(max_examples=25, deadline=None)
+@given(rows=st.integers(1, 7), width=st.sampled_from([8, 24, 64, 96]), dtype=st.sampled_from(["float32", "bfloat16"]),
+       eps=st.sampled_from([1e-6, 1e-5]), scale=st.sampled_from([1e-3, 1.0, 30.0]), seed=st.integers(0, 2**16))
+def test_the_fused_norm_gives_the_eager_norms_values_and_gradients(rows, width, dtype, eps, scale, seed):
+    dtype = getattr(torch, dtype)
+    torch.manual_seed(seed)
+    eager, fused = _pair(width, dtype, eps)
+    x = (torch.randn(2, rows, width) * scale).to(dtype).requires_grad_()
+    y = x.detach().clone().requires_grad_()
+    a, b = eager(x), fused(y)
+    # On the CPU the forward is the eager norm's own arithmetic in its order: bit for bit
+    assert a.dtype == b.dtype and torch.equal(a, b)
+    grad = torch.randn_like(a)
+    a.backward(grad)
+    b.backward(grad)
+    # The backward is the analytic gradient, not autograd's chain: the same fp32 terms summed in another order, so
+    # each input gradient is within a few fp32 roundings of a row's largest (bf16: the one cast back, then equal)
+    tol = dict(rtol=0, atol=1e-5 * float(x.grad.abs().max())) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(y.grad, x.grad, **tol)
+    torch.testing.assert_close(fused.weight.grad, eager.weight.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_a_trace_sees_one_op_each_way_and_the_eager_norm_ten():
+    counts = {}
+    for name, norm in zip(("eager", "fused"), _pair(32, torch.float32)):
+        x = torch.randn(4, 32, requires_grad=True)
+        with _Ops() as ops:
+            norm(x).sum().backward()
+        counts[name] = [n for n in ops.names if n not in ("aten.ones_like", "aten.sum", "aten.expand")]
+    assert [n for n in counts["fused"] if n.startswith("cpbench.")] == ["cpbench.rms_norm", "cpbench.rms_norm_backward"]
+    assert {n for n in counts["fused"] if n.startswith("aten.")} <= {"aten.detach", "aten.clone"}  # views, and the
+    # weight's gradient accumulated
+    assert len(counts["eager"]) >= 10, counts["eager"]
+
+
+def _saved_bytes(norm, x) -> int:
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        norm(x)
+    return total
+
+
+def test_the_fused_norm_keeps_its_input_and_a_statistic_a_row():
+    eager, fused = _pair(64, torch.bfloat16)
+    x = torch.randn(16, 64, dtype=torch.bfloat16, requires_grad=True)
+    kept = _saved_bytes(fused, x)
+    assert kept == x.numel() * 2 + 64 * 2 + 16 * 4  # the input, the weight, one fp32 rstd a row
+    assert _saved_bytes(eager, x) > 2 * kept  # the eager norm keeps fp32 copies of the whole input
+
+
+def test_a_model_runs_the_fused_ops_and_keeps_its_loss():
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("qwen3"), dtype=torch.float32, attn_implementation="sdpa")
+    batch = make_batch("plain", seq_len=24)
+    eager = model(**batch).loss
+    cpbench.use_fused_norm(model)
+    cpbench.use_fused_norm(model)  # again: nothing more
+    with _Ops() as ops:
+        fused = model(**batch).loss
+    # 2 layers x (2 layer norms + q_norm + k_norm) + the final norm
+    assert ops.names.count("cpbench.rms_norm") == 2 * 4 + 1
+    assert torch.equal(eager, fused)
+    assert unfusable_norms(model) == []
+
+
+def test_a_model_with_another_rmsnorm_is_refused_with_its_classes():
+    model = AutoModelForCausalLM.from_config(tiny_config("gemma3"))
+    with pytest.raises(ValueError, match="Gemma3RMSNorm.*leave norm = 'eager'"):
+        cpbench.use_fused_norm(model)
+    with pytest.raises(ValueError, match="no RMSNorm module"):
+        cpbench.use_fused_norm(torch.nn.Linear(2, 2))
+
+
+def test_the_fused_norm_goes_before_the_tiled_mlp():
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"))
+    cpbench.use_tiled_mlp(model, 2)
+    with pytest.raises(ValueError, match="call cpbench.use_fused_norm before cpbench.use_tiled_mlp"):
+        cpbench.use_fused_norm(model)
+
+
+def test_torchs_fused_forward_agrees_with_the_cpu_arithmetic_to_one_rounding():
+    """The CUDA path calls aten._fused_rms_norm, which applies the weight before its one cast back; on the CPU torch
+    decomposes the same op, so its values can be set beside the eager order here: equal in fp32 terms, a bf16 output
+    one rounding apart at most."""
+    torch.manual_seed(1)
+    x, w = torch.randn(8, 64, dtype=torch.bfloat16), torch.randn(64, dtype=torch.bfloat16)
+    theirs, rstd = torch.ops.aten._fused_rms_norm(x, [64], w, 1e-6)
+    ours, our_rstd = rms_norm(x, w, 1e-6)
+    torch.testing.assert_close(our_rstd.view(-1), rstd.view(-1).float(), rtol=1e-6, atol=0)
+    ulp = torch.finfo(torch.bfloat16).eps * theirs.float().abs()
+    assert bool(((ours.float() - theirs.float()).abs() <= 2 * ulp + 1e-30).all())
