@@ -74,14 +74,17 @@ est titan-llama-8b-h100 $TITAN --world-size 8 --gpu h100-hbm2e-500w --sdpa-kerne
 est titan-llama-8b-h100-128 $TITAN --world-size 128 --gpu h100-hbm2e-500w --sdpa-kernel flash
 # torchtitan, Llama 3 8B and 70B on 64 A100s (8 nodes), 8192 tokens, local batch 1; and the 8B on one 8 x A100 node
 # (PR #355's logs, foreach AdamW, selective op AC); the 64-GPU rows with selective layer AC (every 2nd layer) and op AC
+# April 2024's torchtitan ran its fused (Triton) RMSNorm (train_configs/*.toml at 1ea476e9f: norm_type =
+# 'fused_rmsnorm'): cpbench's --norm fused, one kernel each way; June 2024's (PR #355) the eager one, as HF's.
 A100="--seq 8192 --cp 1 --mixed-precision --gpu a100-sxm"
-est titan-llama-8b-a100 --model llama-3-8b $A100 --world-size 64 --recompute --recompute-every 2
-est titan-llama-70b-a100 --model llama-3.1-70b $A100 --world-size 64 --recompute
-est titan-llama-8b-a100-op --model llama-3-8b $A100 --world-size 64 --recompute --recompute-policy op
+APRIL="$A100 --norm fused"
+est titan-llama-8b-a100 --model llama-3-8b $APRIL --world-size 64 --recompute --recompute-every 2
+est titan-llama-70b-a100 --model llama-3.1-70b $APRIL --world-size 64 --recompute
+est titan-llama-8b-a100-op --model llama-3-8b $APRIL --world-size 64 --recompute --recompute-policy op
 est titan-pr355-llama-8b-a100 --model llama-3-8b $A100 --world-size 8 --recompute --recompute-policy op
 # torchtitan docs/performance.md as first published (commits 395a52627, 1ea476e9f, April 2024): Llama 2 13B on 64 A100s,
 # local batch 2 x 4096 tokens, without AC, with selective layer AC (every 2nd layer) and with selective op AC
-T13="--model $MODELS/llama-2-13b $A100 --seq 4096 --batch-size 2 --world-size 64"
+T13="--model $MODELS/llama-2-13b $APRIL --seq 4096 --batch-size 2 --world-size 64"
 est titan-llama2-13b-a100-none $T13
 est titan-llama2-13b-a100-layer $T13 --recompute --recompute-every 2
 est titan-llama2-13b-a100-op $T13 --recompute --recompute-policy op

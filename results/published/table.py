@@ -159,7 +159,10 @@ def orderings() -> list[str]:
         scale, suffix = METRICS[spec["metric"]]
         shown = ", ".join(f"{abs(v) / scale:,.4g}{suffix}" for v in values)
         same = "yes" if values == sorted(values, reverse=True) else "no"
-        judged = "yes" if spec.get("judged", True) else f"no: {spec['differs']}"
+        if spec.get("judged", True):  # a judged one may say what differs from the source beside it
+            judged = "yes" + (f": {spec['differs']}" if spec.get("differs") else "")
+        else:
+            judged = f"no: {spec['differs']}"
         lines.append(f"| {name} ({spec['metric']}) | {spec['source']} | {shown} | {same} | {judged} |")
     return lines
 
