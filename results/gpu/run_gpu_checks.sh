@@ -6,7 +6,9 @@
 #      kind against the exact kernel, allocator/NVML probes and a CUDA sweep point; the new tiles
 #      (tests/gpu/test_ring_hopper_kernels.py): cuDNN's attention (the sdpa kernel on Hopper/Blackwell, forced on any
 #      sm80+ GPU), FlashAttention-3 and FlashAttention-4 where their packages are installed, each tile kind against
-#      the exact kernel; what was skipped, and why (a package not installed: the pip install), is printed (-rs);
+#      the exact kernel; the fused RMSNorm on torch's CUDA kernels against the eager norm
+#      (tests/gpu/test_fused_norm_cuda.py); what was skipped, and why (a package not installed: the pip install), is
+#      printed (-rs);
 #      -> results/gpu/gpu-tests.xml (JUnit: each test's outcome and time), and the console log beside it;
 #   1a. the 8B's kernels by class (suites/decompose-llama3-8b.toml: its widths at 16 layers, 8192 tokens, recompute):
 #      GEMMs, attention, element-wise, optimizer, each measured (torch.profiler) beside the time model's price on

@@ -139,3 +139,30 @@ def test_torchs_fused_forward_agrees_with_the_cpu_arithmetic_to_one_rounding():
     torch.testing.assert_close(our_rstd.view(-1), rstd.view(-1).float(), rtol=1e-6, atol=0)
     ulp = torch.finfo(torch.bfloat16).eps * theirs.float().abs()
     assert bool(((ours.float() - theirs.float()).abs() <= 2 * ulp + 1e-30).all())
+
+
+def test_the_cuda_branch_called_as_torchs_own_reference_of_its_kernels(monkeypatch):
+    """The CUDA branch hands torch's fused kernels (aten/src/ATen/native/cuda/layer_norm_kernel.cu:
+    `_fused_rms_norm_cuda`, `_fused_rms_norm_backward_cuda`) the normalized shape as the last dim, the forward's
+    statistic back as `[..., 1]`, and asks for both gradients. No CUDA here: the calls are run through torch's own
+    reference of those kernels (torch/_decomp/decompositions.py `_fused_rms_norm` and `_fused_rms_norm_backward`,
+    which torch's CPU build runs for the forward and which inductor lowers them to), with the branch taken as on a GPU:
+    values within the one rounding the kernels' weight-before-cast order differs by."""
+    from torch._decomp.decompositions import _fused_rms_norm_backward
+
+    from cpbench.cp.fused import norm
+
+    monkeypatch.setattr(norm, "_torch_kernel", lambda x, w: True)
+    monkeypatch.setattr(torch.ops.aten, "_fused_rms_norm_backward", _fused_rms_norm_backward)
+    torch.manual_seed(2)
+    eager, fused = _pair(48, torch.bfloat16)
+    x = torch.randn(3, 5, 48, dtype=torch.bfloat16, requires_grad=True)
+    y = x.detach().clone().requires_grad_()
+    a, b = eager(x), fused(y)
+    grad = torch.randn_like(a)
+    a.backward(grad)
+    b.backward(grad)
+    bf16 = dict(rtol=2 * torch.finfo(torch.bfloat16).eps, atol=1e-2)
+    torch.testing.assert_close(b, a, **bf16)
+    torch.testing.assert_close(y.grad, x.grad, **bf16)
+    torch.testing.assert_close(fused.weight.grad.float(), eager.weight.grad.float(), rtol=2e-2, atol=5e-2)
