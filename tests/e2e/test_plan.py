@@ -165,3 +165,24 @@ def test_calibrate_fits_a_measured_run_and_estimate_prices_with_the_written_prof
     row = store.read_run(again).iloc[0]
     assert row["gpu_profile"] == "slow-h100"
     assert row["projected_step_s"] == pytest.approx(1.5 * projected[row["point_id"]], rel=0.05)
+
+
+def test_plan_with_the_fused_norm_searches_and_says_it():
+    """--norm fused: every configuration searched runs the fused RMSNorm, and the call that sets it is said beside
+    the winner's DistributedConfig."""
+    from cpbench.harness.project.commands import _model_calls
+    from cpbench.harness.project.plan import suite_text
+
+    opts = PlanOptions(model="tiny-llama", seq=8192, gpus=2, gpu="h100-sxm", norm="fused")
+    for rung in RUNGS[:3]:
+        point = load_suite("t.toml", text=suite_text(opts, "sdpa", "cp_ulysses", 1, 2, rung)).points()[0]
+        assert point.norm == "fused" and "/fused-norm/" in point.point_id
+    plain = load_suite("t.toml", text=suite_text(PlanOptions(model="tiny-llama", seq=8192, gpus=2, gpu="h100-sxm"),
+                                                 "sdpa", "cp_ulysses", 1, 2, {})).points()[0]
+    assert plain.norm == "eager"
+    row = {"norm": "fused", "activation_checkpointing": False, "tiled_mlp": "off", "loss_mode": "full",
+           "offload_activations": False, "balance": "documents"}
+    assert _model_calls(row)[0] == "cpbench.use_fused_norm(model)"  # first: before a tiled MLP's
+    assert _model_calls({**row, "norm": "eager"}) == []
+    with pytest.raises(SystemExit):  # argparse's choices: a wrong value refused with the known ones
+        main(["plan", "--model", "tiny-llama", "--seq", "8192", "--gpus", "2", "--gpu", "h100-sxm", "--norm", "x"])

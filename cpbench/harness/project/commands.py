@@ -46,6 +46,9 @@ def register(subparsers) -> None:
                       help="the CP plan's shape for a family without a default plan (docs/families.md): a JSON object "
                            "of module pattern -> style, or a style name for the default plan's shape; each searched "
                            "configuration puts its own style on the attention entries")
+    plan.add_argument("--norm", default="eager", choices=("eager", "fused"),
+                      help="the model's RMSNorms in every configuration searched: eager (transformers', the default) | "
+                           "fused (one op each way: cpbench.use_fused_norm; less memory kept, fewer kernels)")
     plan.set_defaults(func=plan_command)
 
     cal = subparsers.add_parser(
@@ -97,7 +100,7 @@ def plan_command(args) -> int:
                            styles=tuple(s.strip() for s in args.styles.split(",") if s.strip()),
                            attn=tuple(a.strip() for a in args.attn.split(",") if a.strip()),
                            overrides=_overrides(args.override), min_gain=args.min_gain, out=args.results,
-                           jobs=args.jobs, documents=_documents(args.documents))
+                           jobs=args.jobs, documents=_documents(args.documents), norm=args.norm)
         run_dir, search = run_plan(opts, on_row=lambda r: print(f"  {r['point_id']}: {r['status']}", flush=True))
     except ValueError as e:
         print(f"cpbench plan: {e}", file=sys.stderr)

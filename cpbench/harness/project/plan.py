@@ -79,6 +79,7 @@ class PlanOptions:
     cp_plan: dict | None = None  # --cp-plan, resolved (presets.plan_from_flag): for a family without a default plan
     prune: bool = True  # False: every configuration the memory floor allows (what pruning is tested against)
     documents: str | list = "none"  # --documents: packed documents (suite/documents.py)
+    norm: str = "eager"  # --norm fused: every configuration searched with the fused RMSNorm (cp/fused/norm.py)
 
 
 def cp_sizes(gpus: int) -> list[int]:
@@ -125,6 +126,8 @@ def suite_text(opts: PlanOptions, attn: str, style: str, degree: int, cp: int, r
         fields["cp_ulysses_degree"] = degree
     if opts.documents != "none":
         fields["documents"] = opts.documents
+    if opts.norm != "eager":
+        fields["norm"] = opts.norm
     lines = [f"{k} = {json.dumps(v)}" for k, v in fields.items()]
     if opts.overrides:
         lines.append("model_overrides = {" + ", ".join(f"{k} = {json.dumps(v)}" for k, v in opts.overrides.items())
