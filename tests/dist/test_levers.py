@@ -52,10 +52,12 @@ def _load(path: str, style: str, lever: str, cp: int):
     return model
 
 
-def _errors(model, batch: dict, ref: dict) -> dict:
+def _errors(model, batch: dict, ref: dict, lever: str) -> dict:
     import cpbench
     from tests.dist.models import full_grads, worst_grad_error
 
+    norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
+    assert norms and all(getattr(m, "_cpbench_fused_norm", False) == (lever in ALL) for m in norms), lever
     model.train()
     out = model(**batch)
     out.loss.backward()
@@ -78,7 +80,7 @@ def levers_worker(paths: dict, cases: list[tuple[str, str, str]], cp: int) -> di
         batch = make_batch("packed", seq_len=24)
         if name not in refs:
             refs[name] = reference(paths[name], batch, "sdpa")
-        results[(name, style, lever)] = _errors(_load(paths[name], style, lever, cp), batch, refs[name])
+        results[(name, style, lever)] = _errors(_load(paths[name], style, lever, cp), batch, refs[name], lever)
     return results
 
 

@@ -1,6 +1,6 @@
 """The fused RMSNorm on a CUDA device (cpbench/cp/fused/norm.py): torch's own fused kernels take the call
-(`_fused_rms_norm_cuda`, `_fused_rms_norm_backward_cuda`), the values are the eager norm's within the one rounding
-their weight-before-cast order differs by, and a trace of the step sees one op each way."""
+(`_fused_rms_norm_cuda`, `_fused_rms_norm_backward_cuda`), and the values are the eager norm's within the one
+rounding their weight-before-cast order differs by."""
 
 from __future__ import annotations
 

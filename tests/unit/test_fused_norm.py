@@ -113,6 +113,22 @@ def test_a_model_runs_the_fused_ops_and_keeps_its_loss():
     assert unfusable_norms(model) == []
 
 
+@pytest.mark.parametrize("case", ["contiguous", "transposed", "fp32_weight"])
+def test_the_ops_keep_torchs_custom_op_contract(case):
+    """torch.library.opcheck: the fake (what a projection traces) gives the real outputs' shapes, dtypes and strides,
+    the autograd registration is sound, and the ops survive being traced (dynamo, AOT)."""
+    torch.manual_seed(0)
+    x = torch.randn(6, 4, 16, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(16, dtype=torch.float32 if case == "fp32_weight" else torch.bfloat16, requires_grad=True)
+    if case == "transposed":
+        x = x.detach().transpose(0, 1).requires_grad_()
+    torch.library.opcheck(torch.ops.cpbench.rms_norm.default, (x, w, 1e-6))
+    out, rstd = rms_norm(x, w, 1e-6)
+    grad = torch.randn_like(out)
+    torch.library.opcheck(torch.ops.cpbench.rms_norm_backward.default, (grad, x.detach(), w.detach(), rstd.detach()))
+    assert not rstd.requires_grad  # the statistic is no differentiable output
+
+
 def test_a_model_with_another_rmsnorm_is_refused_with_its_classes():
     model = AutoModelForCausalLM.from_config(tiny_config("gemma3"))
     with pytest.raises(ValueError, match="Gemma3RMSNorm.*leave norm = 'eager'"):
@@ -124,8 +140,10 @@ def test_a_model_with_another_rmsnorm_is_refused_with_its_classes():
 def test_the_fused_norm_goes_before_the_tiled_mlp():
     model = AutoModelForCausalLM.from_config(tiny_config("llama"))
     cpbench.use_tiled_mlp(model, 2)
-    with pytest.raises(ValueError, match="call cpbench.use_fused_norm before cpbench.use_tiled_mlp"):
+    with pytest.raises(ValueError, match="post_attention_layernorm.*use_tiled_mlp.*call cpbench.use_fused_norm first"):
         cpbench.use_fused_norm(model)
+    # refused before anything changed: no norm of the model was fused
+    assert not any(getattr(m, "_cpbench_fused_norm", False) for m in model.modules())
 
 
 def test_torchs_fused_forward_agrees_with_the_cpu_arithmetic_to_one_rounding():
@@ -166,3 +184,28 @@ def test_the_cuda_branch_called_as_torchs_own_reference_of_its_kernels(monkeypat
     torch.testing.assert_close(b, a, **bf16)
     torch.testing.assert_close(y.grad, x.grad, **bf16)
     torch.testing.assert_close(fused.weight.grad.float(), eager.weight.grad.float(), rtol=2e-2, atol=5e-2)
+
+
+def test_a_fused_norm_point_runs_the_fused_ops_in_its_step():
+    """The suite field reaches the step: a point with norm = "fused" distributes its model with every norm fused (and
+    an eager point with none), so what a sweep measures and a projection traces is the fused norm."""
+    from cpbench.harness.measure import step
+    from cpbench.harness.suite.spec import load_suite
+
+    text = 'model = "tiny-llama"\nseq_lens = [64]\ncp_sizes = [1]\nactivation_checkpointing = true\ntiled_mlp = 2\n'
+    counts = {}
+    for norm in ("eager", "fused"):
+        (point,) = load_suite("t.toml", text=text + f'norm = "{norm}"\n').points()
+        model = step.distribute(step.build_model(point, "cpu"), point)
+        model.train()
+        batch = step.make_batch(point, model.config.vocab_size, "cpu")
+        with _Ops() as ops:
+            model(**batch).loss.backward()
+        counts[norm] = (ops.names.count("cpbench.rms_norm"), ops.names.count("cpbench.rms_norm_backward"))
+    layers = model.config.num_hidden_layers
+    # every layer's two norms and the final one, each forward again in its layer's recompute (the MLP's norm inside
+    # the tiled MLP's tiles: once a tile, twice over with the tile's own recompute)
+    assert counts["eager"] == (0, 0)
+    forwards, backwards = counts["fused"]
+    assert backwards == 2 * layers + 1 + layers  # the tiled norm: one backward a tile (2 tiles), the other norm one
+    assert forwards > backwards

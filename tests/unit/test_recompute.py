@@ -116,12 +116,12 @@ def test_plan_says_the_call_that_sets_the_policy():
     assert _model_calls({**row, "recompute_policy": "full"}) == ["model.activation_checkpointing_enable(offload=True)"]
 
 
-def test_the_sharded_reference_recomputes_whole_layers(monkeypatch):
+def test_the_sharded_reference_recomputes_whole_layers_with_the_eager_norm(monkeypatch):
     from cpbench.harness.measure import reference
     from cpbench.harness.suite.spec import load_suite
 
     (point,) = load_suite("t.toml", text='model = "tiny-qwen3"\nseq_lens = [64]\ncp_sizes = [2]\n'
-                          'activation_checkpointing = true\nrecompute_policy = "op"\n').points()
+                          'activation_checkpointing = true\nrecompute_policy = "op"\nnorm = "fused"\n').points()
     seen = []
 
     def distribute(model, ref_point, *args, **kwargs):
@@ -131,4 +131,5 @@ def test_the_sharded_reference_recomputes_whole_layers(monkeypatch):
     monkeypatch.setattr(reference.step, "distribute", distribute)
     with pytest.raises(StopIteration):
         reference._sharded_reference(point, "full", "cpu", 0)
-    assert [(p.recompute_policy, p.activation_checkpointing, p.cp_size) for p in seen] == [("full", True, 1)]
+    assert [(p.recompute_policy, p.activation_checkpointing, p.cp_size, p.norm) for p in seen] == [
+        ("full", True, 1, "eager")]

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import inspect
 import types
+import warnings
 from functools import lru_cache
 
 import torch
@@ -35,14 +36,28 @@ def _has_cuda_kernel(name: str) -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key(name, "CUDA")
 
 
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # where the kernels' statistic is fp32, as here
+
+
 def _torch_kernel(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """torch's fused CUDA kernels take this call: a CUDA tensor and a weight of its dtype."""
-    return x.is_cuda and weight.dtype == x.dtype and _has_cuda_kernel("aten::_fused_rms_norm_backward")
+    """torch's fused CUDA kernels take this call: a CUDA tensor of a half or single dtype and a weight of its dtype.
+    A CUDA call they cannot take (a weight of another dtype: an fp32 norm weight under autocast) runs the eager
+    arithmetic inside the op, said once: a projection prices the op as one kernel, and it then runs as ten."""
+    if not x.is_cuda:
+        return False
+    if x.dtype in KERNEL_DTYPES and weight.dtype == x.dtype and _has_cuda_kernel("aten::_fused_rms_norm_backward"):
+        return True
+    warnings.warn(f"cpbench fused norm: a {x.dtype} input with a {weight.dtype} weight is not what torch's fused "
+                  "kernels take; this norm runs the eager arithmetic (about ten kernels) inside the op. Give the "
+                  "norm weights the input's dtype (the model's dtype, or FSDP2's param_dtype).", stacklevel=3)
+    return False
 
 
 @torch.library.custom_op("cpbench::rms_norm", mutates_args=())
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The normalized `x` times `weight`, and the fp32 reciprocal RMS of each row (`[..., 1]`)."""
+    """The normalized `x` times `weight`, and the fp32 reciprocal RMS of each row (`[..., 1]`); both contiguous (the
+    CUDA kernel makes its input so first)."""
+    x = x.contiguous()
     if _torch_kernel(x, weight):
         out, rstd = torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], weight, eps)
         return out, rstd.view(*x.shape[:-1], 1)
@@ -53,14 +68,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.T
 
 @rms_norm.register_fake
 def _(x, weight, eps):
-    out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    out = x.new_empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype))
     return out, x.new_empty((*x.shape[:-1], 1), dtype=torch.float32)
 
 
 @torch.library.custom_op("cpbench::rms_norm_backward", mutates_args=())
 def rms_norm_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                       rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gradients of `x` and `weight`, from the forward's input and statistic."""
+    """The gradients of `x` and `weight`, from the forward's input and statistic; both contiguous."""
+    grad, x = grad.contiguous(), x.contiguous()
     if _torch_kernel(x, weight):
         dx, dw = torch.ops.aten._fused_rms_norm_backward(grad, x, [x.shape[-1]], rstd, weight, [True, True])
         return dx, dw
@@ -73,20 +89,22 @@ def rms_norm_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
 
 @rms_norm_backward.register_fake
 def _(grad, x, weight, rstd):
-    return torch.empty_like(x), torch.empty_like(weight)
+    return (torch.empty_like(x, memory_format=torch.contiguous_format),
+            torch.empty_like(weight, memory_format=torch.contiguous_format))
 
 
 def _setup(ctx, inputs, output):
     x, weight, _ = inputs
     ctx.save_for_backward(x, weight, output[1])
-    ctx.set_materialize_grads(False)  # the statistic takes no gradient: no zeros made for it
+    ctx.mark_non_differentiable(output[1])  # the statistic takes no gradient
+    ctx.set_materialize_grads(False)  # ... and no zeros are made for it
 
 
 def _backward(ctx, grad, _grad_rstd):
     if grad is None:  # the output took no part in the loss
         return None, None, None
     x, weight, rstd = ctx.saved_tensors
-    dx, dw = rms_norm_backward(grad.contiguous(), x, weight, rstd)
+    dx, dw = rms_norm_backward(grad, x, weight, rstd)
     return dx, dw, None
 
 
@@ -130,12 +148,14 @@ def use_fused_norm(model: torch.nn.Module) -> torch.nn.Module:
             f"RMSNorm's ({', '.join(other)}); the fused op computes only that one: leave norm = 'eager' for it.")
     if not norms:
         raise ValueError(f"fused norm: {type(model).__name__} has no RMSNorm module to fuse: leave norm = 'eager'.")
-    for name, module in norms:
-        if getattr(module, FUSED_ATTR, False):
-            continue
-        if "forward" in vars(module):
-            raise ValueError(f"fused norm: {name}'s forward is already replaced (use_tiled_mlp moves a norm into "
-                             "its tiles): call cpbench.use_fused_norm before cpbench.use_tiled_mlp.")
+    todo = [(name, m) for name, m in norms if not getattr(m, FUSED_ATTR, False)]
+    replaced = [name for name, m in todo if "forward" in vars(m)]
+    if replaced:  # checked for every norm before any is changed: a refusal leaves the model as it was
+        named = ", ".join(replaced[:3]) + (f" and {len(replaced) - 3} more" if len(replaced) > 3 else "")
+        raise ValueError(f"fused norm: the forward of {named} is already replaced on the module (by "
+                         "cpbench.use_tiled_mlp, which moves a norm into its tiles, or another library's hook): "
+                         "call cpbench.use_fused_norm first.")
+    for _, module in todo:
         module.forward = types.MethodType(_fused_forward, module)
         setattr(module, FUSED_ATTR, True)
     return model

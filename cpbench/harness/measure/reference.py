@@ -52,10 +52,10 @@ def reference_phase(point: Point, side: dict, *, rank: int, device, cache_dir: P
 def _sharded_reference(point: Point, mode: str, device, rank: int) -> tuple[dict | None, str | None]:
     """The same step without CP: FSDP over every rank, each with the whole batch (so the mean of their gradients
     is the batch's), every decoder layer recomputed whole (an op-recompute point is held to whole-layer recompute,
-    which keeps less), the point's loss and precision."""
+    which keeps less), transformers' eager norm (a fused-norm point is held to it), the point's loss and precision."""
     ref_point = dataclasses.replace(point, cp_size=1, fsdp_size=point.world_size, dp_replicate_size=1,
                                     cp_style=NO_STYLE, activation_checkpointing=True, recompute_policy="full",
-                                    fault=None)
+                                    norm="eager", fault=None)
     if point.fault == "reference_crash" and rank == point.world_size - 1:
         raise torch.OutOfMemoryError(f"injected reference_crash in {point.point_id} (suite [faults] table)")
     model = step.distribute(step.build_reference_model(ref_point, device), ref_point)

@@ -89,7 +89,8 @@ def distribute(model: torch.nn.Module, point: Point, mesh=None, kernel_device=No
                                            or point.recompute_policy != "full"):
         # transformers' own selective recompute and checkpoint offload (torch's save_on_cpu around checkpoint), with
         # cpbench's op-level policy; the unsharded reference keeps plain recompute and the sharded one whole layers
-        # (measure/reference.py): the levers change where and when values live, never the values.
+        # (measure/reference.py): the levers change where and when values live, never the values (the fused norm
+        # below, on a GPU, by one rounding: the references keep the eager norm and hold it to them).
         cpbench.use_recompute(model, point.recompute_policy, every_n_layers=point.recompute_every_n_layers,
                               offload=point.offload_activations)
     if point.norm == "fused":  # before the tiled MLP, which moves a norm's call into its tiles

@@ -75,6 +75,7 @@ def _check_implementations(suite) -> None:
         model_only = {"batch_kind": ("plain", suite.batch_kind), "loss": ("full", suite.loss),
                       "activation_checkpointing": (False, suite.activation_checkpointing),
                       "offload_params": (False, suite.offload_params), "tiled_mlp": (False, suite.tiled_mlp),
+                      "norm": ("eager", suite.norm),
                       "mixed_precision": (False, suite.mixed_precision), "keep_outputs": (False, suite.keep_outputs),
                       "fsdp_size": (1, suite.fsdp_size), "dp_replicate_size": (1, suite.dp_replicate_size)}
         for name, (default, value) in model_only.items():
