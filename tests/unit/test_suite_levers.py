@@ -98,3 +98,11 @@ def test_a_norm_the_fused_op_cannot_compute_is_refused_before_a_launch():
     assert "`norm` = 'fused'" in str(e.value) and "Gemma3RMSNorm" in str(e.value) and 'norm = "eager"' in str(e.value)
     with pytest.raises(SuiteErrors, match="`norm` = 'triton'.*must be one of 'eager', 'fused'"):
         _suite('norm = "triton"\n')
+
+
+def test_an_attention_level_suite_refuses_the_fused_norm():
+    text = ('model = "attention-h8-d64"\nlevel = "attention"\nimplementations = ["cpbench"]\nseq_lens = [256]\n'
+            'cp_sizes = [1, 2]\ncp_styles = ["cp_ulysses"]\n')
+    assert load_suite("t.toml", text=text).points()  # the same suite with the eager norm runs
+    with pytest.raises(SuiteErrors, match="`norm` = 'fused': is a model-level setting"):
+        load_suite("t.toml", text=text + 'norm = "fused"\n')
