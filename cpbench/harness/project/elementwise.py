@@ -28,6 +28,12 @@ LlamaRMSNorm on an A100 SXM4 80GB (liger_a100_eager.csv, `--gpu a100-sxm`) and t
 of benchmark_jsd.py on a B200 (liger_b200_eager.csv, `--gpu b200 --keep-ramp`: its kernels move 0.5-12.6 GB each,
 too much for its rows to set a ramp of microseconds, so the profile's is kept).
 
+The same data times a fused kernel too, which no figure here is fitted to: Liger's RMSNorm (a Triton kernel, one read
+and one write a row, as torchtitan's fused norm) on the same A100 (liger_a100_fused.csv, its forward rows), which
+cpbench's fused norm (`cpbench.use_fused_norm`: one op each way) is priced against with the A100's eager-fitted
+figures. Its "full" rows are not set beside it: Liger 0.2.1's backward wrote every row's weight gradient in fp32 and
+summed them with torch, another kernel than torch's fused backward that cpbench's op calls.
+
 On another GPU, `python results/gpu/elementwise_bench.py OUT.csv` times the same modules at the same sizes there
 (CUDA events, the L2 cache cleared before each run, as do_bench does) and writes rows of the same form; then
 `python -m cpbench.harness.project.elementwise --data OUT.csv --gpu h200` fits that GPU's figures.
@@ -95,6 +101,19 @@ def _llama_rms_norm(row: dict, cfg: dict):
     return forward, (lambda out: out.backward(dy)), [x]
 
 
+def _fused_rms_norm(row: dict, cfg: dict):
+    """benchmark_rms_norm.py's `liger` provider as cpbench's fused norm runs it: one op reading the bf16 (M, H) input
+    and writing the bf16 output and an fp32 statistic a row (Liger's kernel reads an fp32 weight and writes the input's
+    dtype: the weight given the input's dtype here moves the same bytes but for its H x 2)."""
+    from cpbench.cp.fused.norm import rms_norm
+
+    shape = (cfg["M"], int(row["x_value"]))
+    x = torch.randn(shape, dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.ones(shape[1], dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(shape, dtype=torch.bfloat16)
+    return (lambda: rms_norm(x, weight, cfg["eps"])[0]), (lambda out: out.backward(dy)), [x]
+
+
 def _torch_jsd(row: dict, cfg: dict, beta: float = 0.5):
     """benchmark_jsd.py's `torch` provider as of its B200 rows (Liger-Kernel ace042ec): the Jensen-Shannon divergence
     of two fp32 log-distributions of (BT, V) through KLDivLoss(reduction="none", log_target=True), summed per row;
@@ -115,14 +134,21 @@ def _torch_jsd(row: dict, cfg: dict, beta: float = 0.5):
 
 
 MODULES = {"relu_squared": _relu_squared, "megatron_swiglu": _swiglu, "fused_add_rms_norm": _add_rms_norm,
-           "rms_norm": _llama_rms_norm, "jsd": _torch_jsd}
+           "rms_norm": _llama_rms_norm, "jsd": _torch_jsd, "rms_norm/liger": _fused_rms_norm}
+FUSED_DATA = DATA.with_name("liger_a100_fused.csv")  # a fused kernel's rows: priced, never fitted
+
+
+def module(row: dict):
+    """The module a row times: its provider's where this file rebuilds that one (Liger's fused kernel), else the
+    eager reference of its name."""
+    return MODULES.get(f"{row['kernel_name']}/{row['kernel_provider']}") or MODULES[row["kernel_name"]]
 
 
 def rows(mode: str = "forward", path: Path = DATA) -> list[dict]:
     """The published rows of one mode: "forward" (fitted) or "full", forward and backward (held out)."""
     with open(path) as f:
         found = [r for r in csv.DictReader(f) if r.get("kernel_operation_mode") == mode]
-    unknown = sorted({r.get("kernel_name") for r in found} - set(MODULES))
+    unknown = sorted({r.get("kernel_name") for r in found} - {name.split("/")[0] for name in MODULES})
     if unknown:
         raise ValueError(f"{path}: kernel_name {unknown}: this fit rebuilds only {sorted(MODULES)}; drop those rows "
                          "or time these modules (results/gpu/elementwise_bench.py).")
@@ -136,7 +162,7 @@ def trace(row: dict) -> list:
 
     cfg = json.loads(row["extra_benchmark_config_str"])
     with fake_tensors():
-        forward, backward, _ = MODULES[row["kernel_name"]](row, cfg)
+        forward, backward, _ = module(row)(row, cfg)
         with StepTrace() as t:
             out = forward()
             if row["kernel_operation_mode"] == "full":
