@@ -101,7 +101,7 @@ def check_norm(suite, config) -> None:
     names = [type(m).__name__ for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
     if other or not names:
         raise err("norm", "fused", f"fuses transformers' Llama RMSNorm only; {suite.model}'s norms are "
-                  f"{', '.join(other) or 'none'}: set norm = \"eager\".")
+                  f"{', '.join(other) or 'none'}: set norm = \"eager\" (on the command line: drop --norm fused).")
 
 
 def check_offload_world(suite) -> None:
