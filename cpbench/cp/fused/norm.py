@@ -15,8 +15,8 @@ the eager norm's own arithmetic, in its order. Either way the two ops are what a
 prices one fused kernel each way (its bytes in and out) and counts the memory the fused norm keeps.
 
 Only a norm whose forward is transformers' Llama RMSNorm's, source for source (`weight * (x.float() * rsqrt(mean(x²)
-+ eps)).to(dtype)`: some 140 families' norms are), is replaced; a model with another RMSNorm (Gemma's `1 + weight`,
-OLMo's order) is refused with the classes named.
++ eps)).to(dtype)`: 138 classes of some 130 families are), is replaced; a model with another RMSNorm (Gemma's
+`1 + weight`, OLMo's order) is refused with the classes named.
 """
 
 from __future__ import annotations
