@@ -32,6 +32,7 @@ NORM_MODES = ("eager", "fused")
 FUSED_ATTR = "_cpbench_fused_norm"
 
 
+@lru_cache(maxsize=None)
 def _has_cuda_kernel(name: str) -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key(name, "CUDA")
 
@@ -130,25 +131,29 @@ def _fused_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     return rms_norm(hidden_states, self.weight, float(self.variance_epsilon))[0]
 
 
-def unfusable_norms(model: torch.nn.Module) -> list[str]:
-    """The RMSNorm classes of `model` the fused op does not compute (their forward is not the Llama norm's)."""
-    return sorted({type(m).__name__ for m in model.modules()
-                   if type(m).__name__.endswith("RMSNorm") and not _is_llama_norm(type(m))})
+def _norms(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    return [(name, m) for name, m in model.named_modules() if type(m).__name__.endswith("RMSNorm")]
+
+
+def fusion_problem(model: torch.nn.Module) -> str | None:
+    """Why the fused op cannot run `model`'s norms (it has none, or one whose forward is not the Llama norm's), or
+    None: what `use_fused_norm` refuses and a suite's check refuses before any launch (harness/suite/levers.py)."""
+    norms = _norms(model)
+    other = sorted({type(m).__name__ for _, m in norms if not _is_llama_norm(type(m))})
+    if other:
+        return (f"{type(model).__name__} has RMSNorm modules whose forward is not transformers' Llama RMSNorm's "
+                f"({', '.join(other)}); the fused op computes only that one")
+    return None if norms else f"{type(model).__name__} has no RMSNorm module to fuse"
 
 
 def use_fused_norm(model: torch.nn.Module) -> torch.nn.Module:
     """Run every RMSNorm of `model` as the fused ops (module names, weights and FSDP groups unchanged). Call it
     before `use_tiled_mlp` (which moves a norm's call into its tiles). Returns the model; calling it again does
     nothing more."""
-    norms = [(name, m) for name, m in model.named_modules() if type(m).__name__.endswith("RMSNorm")]
-    other = unfusable_norms(model)
-    if other:
-        raise ValueError(
-            f"fused norm: {type(model).__name__} has RMSNorm modules whose forward is not transformers' Llama "
-            f"RMSNorm's ({', '.join(other)}); the fused op computes only that one: leave norm = 'eager' for it.")
-    if not norms:
-        raise ValueError(f"fused norm: {type(model).__name__} has no RMSNorm module to fuse: leave norm = 'eager'.")
-    todo = [(name, m) for name, m in norms if not getattr(m, FUSED_ATTR, False)]
+    problem = fusion_problem(model)
+    if problem:
+        raise ValueError(f"fused norm: {problem}: leave norm = 'eager' for it.")
+    todo = [(name, m) for name, m in _norms(model) if not getattr(m, FUSED_ATTR, False)]
     replaced = [name for name, m in todo if "forward" in vars(m)]
     if replaced:  # checked for every norm before any is changed: a refusal leaves the model as it was
         named = ", ".join(replaced[:3]) + (f" and {len(replaced) - 3} more" if len(replaced) > 3 else "")

@@ -93,15 +93,13 @@ def check_norm(suite, config) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from cpbench.cp.fused.norm import unfusable_norms
+    from cpbench.cp.fused.norm import fusion_problem
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    other = unfusable_norms(model)
-    names = [type(m).__name__ for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
-    if other or not names:
-        raise err("norm", "fused", f"fuses transformers' Llama RMSNorm only; {suite.model}'s norms are "
-                  f"{', '.join(other) or 'none'}: set norm = \"eager\" (on the command line: drop --norm fused).")
+        problem = fusion_problem(AutoModelForCausalLM.from_config(config))
+    if problem:
+        raise err("norm", "fused", f"{suite.model}: {problem}: set norm = \"eager\" (on the command line: drop "
+                  "--norm fused).")
 
 
 def check_offload_world(suite) -> None:
