@@ -80,9 +80,9 @@ def build_reference_model(point: Point, device) -> torch.nn.Module:
 
 def distribute(model: torch.nn.Module, point: Point, mesh=None, kernel_device=None) -> torch.nn.Module:
     """The point's levers (selective recompute, activation offload, the fused norm, the tiled MLP), FSDP2 over
-    fsdp x cp (with parameter offload), the point's CP style and its loss. `mesh`: one built beforehand (a projection builds
-    it outside its fake-tensor mode); `kernel_device`: whose attention kernels CP picks, a device type or the
-    `KernelTarget` of a GPU (see DistributedConfig)."""
+    fsdp x cp (with parameter offload), the point's CP style and its loss. `mesh`: one built beforehand (a
+    projection builds it outside its fake-tensor mode); `kernel_device`: whose attention kernels CP picks, a device
+    type or the `KernelTarget` of a GPU (see DistributedConfig)."""
     import cpbench
 
     if point.activation_checkpointing and (point.recompute_every_n_layers > 1 or point.offload_activations
