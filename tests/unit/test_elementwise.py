@@ -5,6 +5,7 @@ contiguous or broadcast one as torch's CUDA loop does."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 import pytest
@@ -44,23 +45,26 @@ def test_the_fit_predicts_the_forward_and_backward_rows_it_was_not_fitted_on(fit
 
 
 OTHER_GPUS = {  # profile -> (its rows, whether the fit keeps the profile's ramp: kernels too large to set one,
-    # the forward rows and the held-out forward-and-backward ones, their RMS log error at most)
-    "a100-sxm": (elementwise.DATA.with_name("liger_a100_eager.csv"), False, (6, 6), 0.1),
-    "b200": (elementwise.DATA.with_name("liger_b200_eager.csv"), True, (4, 4), 0.09),
+    # the forward rows (contiguous, strided) and the held-out forward-and-backward ones, their RMS log error at most)
+    "a100-sxm": (elementwise.DATA.with_name("liger_a100_eager.csv"), False, (6, 5), 11, 0.1),
+    "b200": (elementwise.DATA.with_name("liger_b200_eager.csv"), True, (4, 4), 7, 0.1),
 }
 
 
 @pytest.mark.parametrize("gpu", sorted(OTHER_GPUS))
 def test_other_profiles_hold_the_figures_fitted_to_their_own_gpus_rows(gpu):
-    path, keep_ramp, (fitted_rows, held_rows), held_error = OTHER_GPUS[gpu]
+    path, keep_ramp, fitted_rows, held_rows, held_error = OTHER_GPUS[gpu]
     hw = builtin()[gpu]
     traced = [(r, elementwise.trace(r)) for r in elementwise.rows("forward", path)]
     assert {r["gpu_name"] for r, _ in traced} == {hw.device_names[0]}  # the GPU the profile stands for
     f = elementwise.fit(traced, hw, keep_ramp=keep_ramp)
-    assert f["rows"] == (fitted_rows, 0)
+    assert f["rows"] == fitted_rows
     assert hw.efficiency["memory"] == f["memory"] and hw.memory_ramp_s == pytest.approx(f["memory_ramp_s"])
-    assert f["at_grid_edge"] == [] and f["rms_log_error"] < 0.1
-    assert hw.efficiency["memory"] < builtin()["h100-sxm"].efficiency["memory"]  # what the H100's figure overstated
+    assert hw.efficiency["memory_strided"] == f["memory_strided"]
+    assert f["at_grid_edge"] == [] and f["rms_log_error"] < 0.1 and f["rms_log_error_strided"] < 0.05
+    h100 = builtin()["h100-sxm"].efficiency
+    assert hw.efficiency["memory"] < h100["memory"]  # what the H100's figures overstated on these GPUs
+    assert hw.efficiency["memory_strided"] < h100["memory_strided"]
     held_out = [(r, elementwise.trace(r)) for r in elementwise.rows("full", path)]
     ratios = [elementwise.predicted(ops, hw) / (float(r["y_value_50_ms"]) * 1e-3) for r, ops in held_out]
     assert len(held_out) == held_rows and all(0.75 < x < 1.3 for x in ratios), ratios
@@ -114,14 +118,15 @@ def test_the_gpu_bench_times_the_modules_and_writes_rows_the_fit_reads(tmp_path,
     monkeypatch.setattr(sys, "argv", ["bench", str(out), "--device", "cpu", "--reps", "1", "--limit", "1"])
     bench.main()
     forward, full = elementwise.rows("forward", out), elementwise.rows("full", out)
-    assert [(r["kernel_name"], r["x_value"]) for r in forward + full] == [("relu_squared", "128")] * 2
+    assert [(r["kernel_name"], r["x_value"]) for r in forward + full] == [
+        ("relu_squared", "128"), ("rope", "1024"), ("relu_squared", "128"), ("rope", "2048")]
     assert all(float(r["y_value_50_ms"]) > 0 and r["gpu_name"] == "cpu" for r in forward + full)
 
 
 def test_rows_of_a_module_the_fit_cannot_rebuild_are_refused_with_the_fix(tmp_path):
     bad = tmp_path / "rows.csv"
-    bad.write_text(elementwise.DATA.read_text().replace("relu_squared", "geglu", 1))
-    with pytest.raises(ValueError, match=r"kernel_name \['geglu'\]: this fit rebuilds only .*drop those rows"):
+    bad.write_text(elementwise.DATA.read_text().replace("relu_squared", "kl_div", 1))
+    with pytest.raises(ValueError, match=r"kernel_name \['kl_div'\]: this fit rebuilds only .*drop those rows"):
         elementwise.rows("forward", bad)
 
 
@@ -133,7 +138,8 @@ def test_the_fused_norm_is_priced_near_a_fused_kernels_published_timings():
     eager module's price at the 8B's width and above, as the published timings have it."""
     hw = builtin()["a100-sxm"]
     fused = elementwise.rows("forward", elementwise.FUSED_DATA)
-    eager = {r["x_value"]: r for r in elementwise.rows("forward", OTHER_GPUS["a100-sxm"][0])}
+    eager = {r["x_value"]: r for r in elementwise.rows("forward", OTHER_GPUS["a100-sxm"][0])
+             if r["kernel_name"] == "rms_norm"}
     assert {r["gpu_name"] for r in fused} == {hw.device_names[0]} and len(fused) == 6
     for r in fused:
         ops = elementwise.trace(r)
@@ -144,3 +150,26 @@ def test_the_fused_norm_is_priced_near_a_fused_kernels_published_timings():
             e = eager[r["x_value"]]
             # the published fused / eager is 0.09-0.11 at these widths; the projection's, from the two traces
             assert elementwise.predicted(ops, hw) < 0.15 * elementwise.predicted(elementwise.trace(e), hw)
+
+
+@pytest.mark.parametrize("gpu", sorted(elementwise.MLP_DATA))
+def test_a_models_mlp_is_priced_near_its_published_timings(gpu):
+    """Held out (nothing is fitted to these rows): transformers' LlamaMLP, three GEMMs and the activation, forward and
+    forward-and-backward, timed on the GPU (the Llama-3-8B's 4,096 x 14,336 on a B200, Llama-2-7B's 4,096 x 11,008 on
+    an A100), priced as a projection prices a model's: the GEMMs from the shape tables, the element-wise ops at the
+    profile's fitted figures. At 4,096 tokens a row and more, within a few % (the B200's forward-and-backward row at
+    8,192 tokens of the SwiGLU is one timed run, 19 % over the GeGLU's, whose GEMMs are the same); below, a B200's
+    kernels of a fraction of a millisecond run faster than the tables' GEMMs of their shape."""
+    hw = builtin()[gpu]
+    ratios = {}
+    path = elementwise.MLP_DATA[gpu]
+    for r in elementwise.rows("forward", path) + elementwise.rows("full", path):
+        ops = elementwise.trace(r)
+        assert sum(o.name == "aten.mm" for o in ops) == (3 if r["kernel_operation_mode"] == "forward" else 9)
+        cfg = json.loads(r["extra_benchmark_config_str"])
+        tokens = int(r["x_value"]) * cfg.get("bsz", cfg.get("B", 1))
+        ratios[r["line"]] = (tokens, elementwise.predicted(ops, hw) / (float(r["y_value_50_ms"]) * 1e-3))
+    assert {r["gpu_name"] for r in elementwise.rows("forward", path)} == {hw.device_names[0]}
+    assert all(0.8 < x < 1.25 for _, x in ratios.values()), ratios
+    large = sorted(x for tokens, x in ratios.values() if tokens >= 4096)
+    assert len(large) >= 6 and abs(large[len(large) // 2] - 1) < 0.04, large  # the median

@@ -3,11 +3,10 @@ published timings of eager PyTorch modules on an H100 SXM, priced the way a proj
 ops.
 
 A model's element-wise kernels (norms in fp32, activations, residual adds, rotary embeddings, the casts) do not
-stream at a large copy's speed: each kernel also pays a fixed time (its first wave's DRAM latency, its tail), which at
-the sizes of a short step (a few MB to a few hundred MB) is a large share of it, and a kernel torch cannot vectorize
-(a strided view: trace.py) reads slower. The time model prices such a kernel as its bytes over the efficient HBM
-bandwidth plus `memory_ramp_s`, never under a kernel's floor (`kernel_s`). The ramp is a time, not a size: other GPUs,
-whose element-wise kernels no data here times, keep it as a time.
+stream at a large copy's speed: each also pays a fixed time (its first wave's DRAM latency, its tail), a large share at
+a short step's sizes, and one torch cannot vectorize (a strided view: trace.py) runs its index arithmetic per element.
+The time model prices such a kernel as its bytes over the efficient HBM bandwidth plus `memory_ramp_s` (a time, not a
+size), never under a kernel's floor (`kernel_s`).
 
 The figures are fitted here, not to any end-to-end step: Liger-Kernel's benchmark data
 (github.com/linkedin/Liger-Kernel, benchmark/data/all_benchmark_data.csv at commit ead96b61, the rows kept in
@@ -23,16 +22,16 @@ squared log error of the predicted times.
 
     python -m cpbench.harness.project.elementwise        # prints every row, the fit and its error
 
-The same data times eager references on other GPUs, fitted the same way for their profiles: transformers'
-LlamaRMSNorm on an A100 SXM4 80GB (liger_a100_eager.csv, `--gpu a100-sxm`) and the torch Jensen-Shannon divergence
-of benchmark_jsd.py on a B200 (liger_b200_eager.csv, `--gpu b200 --keep-ramp`: its kernels move 0.5-12.6 GB each,
-too much for its rows to set a ramp of microseconds, so the profile's is kept).
+The same data times eager references on other GPUs, fitted the same way for their profiles: on an A100 SXM4 80GB
+(liger_a100_eager.csv, `--gpu a100-sxm`) transformers' LlamaRMSNorm and RoPE (its strided kernels set
+`memory_strided`); on a B200 (liger_b200_eager.csv, `--gpu b200 --keep-ramp`; its `file` column names the data file)
+the torch Jensen-Shannon divergence (kernels of 0.5-12.6 GB, too large to set a ramp: the profile's is kept) and the
+Llama-3-8B's RoPE.
 
-The same data times a fused kernel too, which no figure here is fitted to: Liger's RMSNorm (a Triton kernel, one read
-and one write a row, as torchtitan's fused norm) on the same A100 (liger_a100_fused.csv, its forward rows), which
-cpbench's fused norm (`cpbench.use_fused_norm`: one op each way) is priced against with the A100's eager-fitted
-figures. Its "full" rows are not set beside it: Liger 0.2.1's backward wrote every row's weight gradient in fp32 and
-summed them with torch, another kernel than torch's fused backward that cpbench's op calls.
+Rows no figure is fitted to, priced with the figures: Liger's fused RMSNorm (a Triton kernel, one read and one write a
+row) on the A100 (liger_a100_fused.csv, forward rows; Liger 0.2.1's backward summed fp32 per-row weight gradients with
+torch, another kernel than the one cpbench's fused norm calls), against cpbench's fused norm; and transformers' LlamaMLP
+(GEMMs and the activation: liger_{a100,b200}_mlp.csv), against the GEMM tables and the element-wise figures together.
 
 On another GPU, `python results/gpu/elementwise_bench.py OUT.csv` times the same modules at the same sizes there
 (CUDA events, the L2 cache cleared before each run, as do_bench does) and writes rows of the same form; then
@@ -133,9 +132,61 @@ def _torch_jsd(row: dict, cfg: dict, beta: float = 0.5):
     return forward, (lambda out: out.backward(torch.randn_like(out))), [log_q]
 
 
+def _dtype(cfg: dict) -> torch.dtype:
+    return getattr(torch, cfg.get("dtype", "torch.bfloat16").removeprefix("torch."))
+
+
+def _hf_rope(row: dict, cfg: dict):
+    """benchmark_rope.py's `huggingface` provider: transformers' apply_rotary_pos_emb (q * cos + rotate_half(q) * sin:
+    a slice, a negation and a concatenation of halves) on q and k made (1, T, heads, head_dim) and transposed to
+    (1, heads, T, head_dim), cos and sin of (1, T, head_dim) in their dtype made before the timed call. Its 2024 script
+    (the A100's rows, keyed `num_q_heads`) takes both outputs' gradients with autograd.grad; its 2026 one (the B200's)
+    times the query's output only, backpropagates a gradient drawn inside the timed call, and clears the transposed
+    view's gradient, not its leaf's, so each timed run adds into the leaf's."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    old, x = "num_q_heads" in cfg, int(row["x_value"])
+    names = ("num_q_heads", "num_kv_heads") if old else ("num_attention_heads", "num_key_value_heads")
+    heads = [cfg[n] for n in names]
+    hidden, tokens = (x, cfg["seq_len"]) if row["x_name"] == "H" else (cfg["hidden_size"], x)
+    dim, dtype = hidden // heads[0], _dtype(cfg)
+    leaves = [torch.randn(1, tokens, n, dim, dtype=dtype, requires_grad=True) for n in heads]
+    (q, k), (cos, sin) = (t.transpose(1, 2) for t in leaves), torch.randn(2, 1, tokens, dim, dtype=dtype)
+    if old:
+        grads = torch.randn_like(q), torch.randn_like(k)
+        return (lambda: apply_rotary_pos_emb(q, k, cos, sin)), (lambda o: torch.autograd.grad(o, (q, k), grads)), [q, k]
+    leaves[0].grad = torch.zeros_like(leaves[0])
+    return (lambda: apply_rotary_pos_emb(q, k, cos, sin)[0]), (lambda y: y.backward(torch.randn_like(y))), [q]
+
+
+def _llama_mlp(row: dict, cfg: dict):
+    """benchmark_swiglu.py's and benchmark_geglu.py's `huggingface` provider: transformers' LlamaMLP (three bias-free
+    GEMMs around the activation of the gate times the up projection) on a (batch, T, hidden) input; `full`
+    backpropagates a gradient drawn inside the timed call. The benchmark clears the input's gradient between runs, not
+    the weights', so each timed run adds into them. GEMMs: never fitted here, only priced (MLP_DATA)."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    dtype, default = _dtype(cfg), torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        layer = LlamaMLP(LlamaConfig(hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
+                                     hidden_act=cfg["hidden_act"]))
+    finally:
+        torch.set_default_dtype(default)
+    for p in layer.parameters():
+        p.grad = torch.zeros_like(p)
+    x = torch.randn(cfg.get("bsz", cfg.get("B")), int(row["x_value"]), cfg["hidden_size"], requires_grad=True,
+                    dtype=dtype)
+    return (lambda: layer(x)), (lambda y: y.backward(torch.randn_like(y))), [x]
+
+
 MODULES = {"relu_squared": _relu_squared, "megatron_swiglu": _swiglu, "fused_add_rms_norm": _add_rms_norm,
-           "rms_norm": _llama_rms_norm, "jsd": _torch_jsd, "rms_norm/liger": _fused_rms_norm}
+           "rms_norm": _llama_rms_norm, "jsd": _torch_jsd, "rms_norm/liger": _fused_rms_norm,
+           "rope": _hf_rope, "swiglu": _llama_mlp, "geglu": _llama_mlp}
 FUSED_DATA = DATA.with_name("liger_a100_fused.csv")  # a fused kernel's rows: priced, never fitted
+MLP_DATA = {"a100-sxm": DATA.with_name("liger_a100_mlp.csv"),  # transformers' LlamaMLP: GEMMs and the activation,
+            "b200": DATA.with_name("liger_b200_mlp.csv")}        # priced, never fitted
 
 
 def module(row: dict):
@@ -191,7 +242,7 @@ def fit(traced: list[tuple[dict, list]], hw: Hardware, keep_ramp: bool = False) 
         return any(o.strided for o in ops)
 
     plain, views = [t for t in traced if not strided(t[1])], [t for t in traced if strided(t[1])]
-    efficiencies, ramps = [x / 100 for x in range(20, 101)], [round(x * 1e-7, 12) for x in range(0, 201)]
+    efficiencies, ramps = [x / 100 for x in range(5, 101)], [round(x * 1e-7, 12) for x in range(0, 201)]
     if keep_ramp:
         ramps = [hw.memory_ramp_s]
     best = (math.inf, 0.0, 0.0)
