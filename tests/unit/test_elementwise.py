@@ -71,6 +71,27 @@ def test_other_profiles_hold_the_figures_fitted_to_their_own_gpus_rows(gpu):
     assert math.sqrt(sum(math.log(x) ** 2 for x in ratios) / len(ratios)) < held_error, ratios
 
 
+@pytest.mark.parametrize("gpu", sorted(OTHER_GPUS))
+def test_the_rope_rows_trace_what_their_benchmark_script_timed(gpu):
+    """transformers' RoPE as each script version timed it (elementwise._hf_rope): both q and k rotated in the forward,
+    the slice's negation, the concatenation and the add of two layouts strided, the broadcast multiplies not; the 2024
+    script (the A100's rows) takes both outputs' gradients with autograd.grad, a gradient made outside the timed call,
+    nothing accumulated; the 2026 one (the B200's) backpropagates the query's output only, a gradient drawn inside the
+    timed call, added into the leaf's gradient it never clears."""
+    path = OTHER_GPUS[gpu][0]
+    forward, full = ([r for r in elementwise.rows(mode, path) if r["kernel_name"] == "rope"][0]
+                     for mode in ("forward", "full"))
+    ops = [(o.name.removeprefix("aten."), o.strided) for o in elementwise.trace(forward)]
+    rotate = [("mul", False), ("neg", True), ("cat", True), ("mul", False), ("add", True)]
+    assert ops == rotate * 2
+    backward = [(o.name.removeprefix("aten."), o.strided) for o in elementwise.trace(full)][len(ops):]
+    grads = [name for name, _ in backward].count("slice_backward") // 2  # the outputs backpropagated
+    if gpu == "a100-sxm":
+        assert grads == 2 and ("add_", True) not in backward and ("randn_like", False) not in backward
+    else:
+        assert grads == 1 and backward[0] == ("randn_like", False) and backward[-1] == ("add_", True)
+
+
 def test_a_kept_ramp_is_the_profiles_and_a_fitted_one_follows_the_data():
     hw = builtin()["b200"]
     traced = [(r, elementwise.trace(r)) for r in elementwise.rows("forward", OTHER_GPUS["b200"][0])]
@@ -157,9 +178,9 @@ def test_a_models_mlp_is_priced_near_its_published_timings(gpu):
     """Held out (nothing is fitted to these rows): transformers' LlamaMLP, three GEMMs and the activation, forward and
     forward-and-backward, timed on the GPU (the Llama-3-8B's 4,096 x 14,336 on a B200, Llama-2-7B's 4,096 x 11,008 on
     an A100), priced as a projection prices a model's: the GEMMs from the shape tables, the element-wise ops at the
-    profile's fitted figures. At 4,096 tokens a row and more, within a few % (the B200's forward-and-backward row at
-    8,192 tokens of the SwiGLU is one timed run, 19 % over the GeGLU's, whose GEMMs are the same); below, a B200's
-    kernels of a fraction of a millisecond run faster than the tables' GEMMs of their shape."""
+    profile's fitted figures. At 4,096 tokens a row and more, within a few % (but for the B200's SwiGLU forward and
+    backward at 8,192 tokens, its backward timed 32 % over the GeGLU's, whose GEMMs are the same: not explained);
+    below, a B200's kernels of a fraction of a millisecond run faster than the tables' GEMMs of their shape."""
     hw = builtin()[gpu]
     ratios = {}
     path = elementwise.MLP_DATA[gpu]
