@@ -1,6 +1,5 @@
-"""The element-wise kernels' HBM figures, `efficiency.memory`, `efficiency.memory_strided` and `memory_ramp_s`, from
-published timings of eager PyTorch modules on an H100 SXM, priced the way a projection prices a model's element-wise
-ops.
+"""The element-wise kernels' HBM figures, `efficiency.memory`, `efficiency.memory_strided` and `memory_ramp_s`, fitted
+to published timings of eager PyTorch modules, priced the way a projection prices a model's element-wise ops.
 
 A model's element-wise kernels (norms in fp32, activations, residual adds, rotary embeddings, the casts) do not
 stream at a large copy's speed: each also pays a fixed time (its first wave's DRAM latency, its tail), a large share at
@@ -8,34 +7,27 @@ a short step's sizes, and one torch cannot vectorize (a strided view: trace.py) 
 The time model prices such a kernel as its bytes over the efficient HBM bandwidth plus `memory_ramp_s` (a time, not a
 size), never under a kernel's floor (`kernel_s`).
 
-The figures are fitted here, not to any end-to-end step: Liger-Kernel's benchmark data
-(github.com/linkedin/Liger-Kernel, benchmark/data/all_benchmark_data.csv at commit ead96b61, the rows kept in
-results/published/elementwise/liger_h100_eager.csv with their line numbers) times eager reference modules on an
-"NVIDIA H100 80GB HBM3" with triton's do_bench (CUDA events, the L2 cache cleared between runs): ReLU squared
-(`relu` then `square`, bf16, 4,096 rows), Megatron's SwiGLU reference (`silu` of one half of a chunked input times
-the other, bf16, 2,048 x 4 rows) and the naive add + RMSNorm (fp32, 2,048 rows), forward, at 6 to 8 sizes each
-(the "full" rows, forward and backward, are held out).
-Each module is rebuilt from its benchmark script's description, run on fake tensors of the row's shape under the
-same op trace a projection uses (trace.py), and priced op by op as timing.py prices them, back to back (the
+The data: Liger-Kernel's benchmark rows (github.com/linkedin/Liger-Kernel at commit ead96b61,
+benchmark/data/all_benchmark_data.csv, or the file a row's `file` column names), kept in results/published/elementwise
+with their line numbers, time eager reference modules with triton's do_bench (CUDA events, the L2 cache cleared
+between runs). Each module is rebuilt from its benchmark script as of the row, run on fake tensors of the row's shape
+under the op trace a projection uses (trace.py), and priced op by op as timing.py prices them, back to back (the
 benchmark queues the kernels behind its cache-clearing memset, so it times the GPU alone). The fit minimises the
-squared log error of the predicted times.
+squared log error over the forward rows (contiguous ones set `memory` and the ramp, those with a strided kernel
+`memory_strided`); the "full" rows, forward and backward, are held out.
 
-    python -m cpbench.harness.project.elementwise        # prints every row, the fit and its error
+    python -m cpbench.harness.project.elementwise        # the H100 SXM's rows: every row, the fit and its error
 
-The same data times eager references on other GPUs, fitted the same way for their profiles: on an A100 SXM4 80GB
-(liger_a100_eager.csv, `--gpu a100-sxm`) transformers' LlamaRMSNorm and RoPE (its strided kernels set
-`memory_strided`); on a B200 (liger_b200_eager.csv, `--gpu b200 --keep-ramp`; its `file` column names the data file)
-the torch Jensen-Shannon divergence (kernels of 0.5-12.6 GB, too large to set a ramp: the profile's is kept) and the
-Llama-3-8B's RoPE.
+H100 SXM (liger_h100_eager.csv): ReLU squared, Megatron's SwiGLU reference (a chunked input: strided) and the naive
+add + RMSNorm in fp32. A100 SXM4 80GB (liger_a100_eager.csv, `--gpu a100-sxm`): transformers' LlamaRMSNorm and RoPE
+(strided). B200 (liger_b200_eager.csv, `--gpu b200 --keep-ramp`): the torch Jensen-Shannon divergence (kernels of
+0.5-12.6 GB, too large to set a ramp: the profile's is kept) and the Llama-3-8B's RoPE. Rows priced, never fitted:
+Liger's fused (Triton) RMSNorm forward on the A100 (liger_a100_fused.csv), against cpbench's fused norm; transformers'
+LlamaMLP (liger_{a100,b200}_mlp.csv), GEMMs and element-wise ops together; the 8B's residual add + RMSNorm on the B200
+(liger_b200_add_rms_norm.csv), which the B200's figure, fitted to the JSD's gigabyte kernels, prices fast.
 
-Rows no figure is fitted to, priced with the figures: Liger's fused RMSNorm (a Triton kernel, one read and one write a
-row) on the A100 (liger_a100_fused.csv, forward rows; Liger 0.2.1's backward summed fp32 per-row weight gradients with
-torch, another kernel than the one cpbench's fused norm calls), against cpbench's fused norm; and transformers' LlamaMLP
-(GEMMs and the activation: liger_{a100,b200}_mlp.csv), against the GEMM tables and the element-wise figures together.
-
-On another GPU, `python results/gpu/elementwise_bench.py OUT.csv` times the same modules at the same sizes there
-(CUDA events, the L2 cache cleared before each run, as do_bench does) and writes rows of the same form; then
-`python -m cpbench.harness.project.elementwise --data OUT.csv --gpu h200` fits that GPU's figures.
+On another GPU, `python results/gpu/elementwise_bench.py OUT.csv` times the same modules at the same sizes there and
+writes rows of the same form; `python -m cpbench.harness.project.elementwise --data OUT.csv --gpu h200` fits them.
 """
 
 from __future__ import annotations
@@ -72,6 +64,20 @@ def _swiglu(row: dict, cfg: dict):
 
 
 def _add_rms_norm(row: dict, cfg: dict, eps: float = 1e-6):
+    """benchmark_fused_add_rms_norm.py's naive module: the residual add and an RMSNorm. Its H100 rows (keyed `M`): fp32
+    inputs, both outputs backpropagated. Its B200 rows (ace042ec, keyed `hidden_size`): inputs of the config's dtype
+    upcast to fp32, the fp32 weight times the normed rows cast back (an fp32 output), the sum cast back too; only the
+    normed output is backpropagated, a gradient drawn inside the timed call, and only x's gradient is cleared."""
+    if "hidden_size" in cfg:
+        dtype, shape = _dtype(cfg), (int(row["x_value"]), cfg["hidden_size"])
+        x, r, weight = (torch.randn(n, dtype=d, requires_grad=True) for n, d in ((shape, dtype), (shape, dtype),
+                                                                                 (shape[1], torch.float32)))
+        r.grad, weight.grad = torch.zeros_like(r), torch.zeros_like(weight)
+
+        def naive():
+            h = x.to(torch.float32) + r.to(torch.float32)
+            return (weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + cfg["eps"])).to(dtype), h.to(dtype))[0]
+        return naive, (lambda y: y.backward(torch.randn_like(y))), [x]
     shape = (cfg["M"], int(row["x_value"]))
     x, residual, dy, ds = (torch.randn(shape, dtype=torch.float32, requires_grad=i < 2) for i in range(4))
     weight = torch.ones(shape[1], requires_grad=True)
@@ -137,12 +143,10 @@ def _dtype(cfg: dict) -> torch.dtype:
 
 
 def _hf_rope(row: dict, cfg: dict):
-    """benchmark_rope.py's `huggingface` provider: transformers' apply_rotary_pos_emb (q * cos + rotate_half(q) * sin:
-    a slice, a negation and a concatenation of halves) on q and k made (1, T, heads, head_dim) and transposed to
-    (1, heads, T, head_dim), cos and sin of (1, T, head_dim) in their dtype made before the timed call. Its 2024 script
-    (the A100's rows, keyed `num_q_heads`) takes both outputs' gradients with autograd.grad; its 2026 one (the B200's)
-    times the query's output only, backpropagates a gradient drawn inside the timed call, and clears the transposed
-    view's gradient, not its leaf's, so each timed run adds into the leaf's."""
+    """benchmark_rope.py's `huggingface` provider: transformers' apply_rotary_pos_emb on q and k made (1, T, heads, dim)
+    and transposed, cos and sin made before the timed call. The 2024 script (the A100's rows, keyed `num_q_heads`) takes
+    both outputs' gradients with autograd.grad; the 2026 one (the B200's) backpropagates the query's output only, a
+    gradient drawn in the timed call, into the leaf under the view it clears (so each run adds into the leaf's)."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     old, x = "num_q_heads" in cfg, int(row["x_value"])
@@ -160,10 +164,9 @@ def _hf_rope(row: dict, cfg: dict):
 
 
 def _llama_mlp(row: dict, cfg: dict):
-    """benchmark_swiglu.py's and benchmark_geglu.py's `huggingface` provider: transformers' LlamaMLP (three bias-free
-    GEMMs around the activation of the gate times the up projection) on a (batch, T, hidden) input; `full`
-    backpropagates a gradient drawn inside the timed call. The benchmark clears the input's gradient between runs, not
-    the weights', so each timed run adds into them. GEMMs: never fitted here, only priced (MLP_DATA)."""
+    """benchmark_swiglu.py's and benchmark_geglu.py's `huggingface` provider: transformers' LlamaMLP on a (batch, T,
+    hidden) input; `full` backpropagates a gradient drawn in the timed call; only the input's gradient is cleared, so
+    each run adds into the weights'. Priced, never fitted (MLP_DATA)."""
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaMLP
 
@@ -187,6 +190,7 @@ MODULES = {"relu_squared": _relu_squared, "megatron_swiglu": _swiglu, "fused_add
 FUSED_DATA = DATA.with_name("liger_a100_fused.csv")  # a fused kernel's rows: priced, never fitted
 MLP_DATA = {"a100-sxm": DATA.with_name("liger_a100_mlp.csv"),  # transformers' LlamaMLP: GEMMs and the activation,
             "b200": DATA.with_name("liger_b200_mlp.csv")}        # priced, never fitted
+ADD_NORM_DATA = DATA.with_name("liger_b200_add_rms_norm.csv")  # the 8B's residual add + RMSNorm on a B200: priced only
 
 
 def module(row: dict):
