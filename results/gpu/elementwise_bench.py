@@ -1,6 +1,7 @@
 """Times the eager modules of cpbench.harness.project.elementwise on this machine's GPU, at the sizes of the published
-H100 rows and of the B200's RoPE rows (the Llama-3-8B's: their strided kernels set `memory_strided`), and writes rows
-of the same form, so that the element-wise figures of another GPU are fitted as the H100's, A100's and B200's were:
+H100 rows and of the B200's RoPE and residual add + RMSNorm rows (the Llama-3-8B's own: RoPE's strided kernels set
+`memory_strided`), and writes rows of the same form, so that another GPU's element-wise figures are fitted as the
+H100's, A100's and B200's were:
 
     python results/gpu/elementwise_bench.py results/gpu/elementwise-h200.csv
     python -m cpbench.harness.project.elementwise --data results/gpu/elementwise-h200.csv --gpu h200
@@ -69,7 +70,8 @@ def main() -> None:
     name = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
     rope = elementwise.DATA.with_name("liger_b200_eager.csv")
     rows = [r for mode in ("forward", "full") for r in elementwise.rows(mode)[:args.limit]
-            + [r for r in elementwise.rows(mode, rope) if r["kernel_name"] == "rope"][:args.limit]]
+            + [r for r in elementwise.rows(mode, rope) if r["kernel_name"] == "rope"][:args.limit]
+            + elementwise.rows(mode, elementwise.ADD_NORM_DATA)[:args.limit]]
     with open(args.out, "w", newline="") as f:
         writer = csv.DictWriter(f, FIELDS, lineterminator="\n")
         writer.writeheader()

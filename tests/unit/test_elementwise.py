@@ -140,7 +140,8 @@ def test_the_gpu_bench_times_the_modules_and_writes_rows_the_fit_reads(tmp_path,
     bench.main()
     forward, full = elementwise.rows("forward", out), elementwise.rows("full", out)
     assert [(r["kernel_name"], r["x_value"]) for r in forward + full] == [
-        ("relu_squared", "128"), ("rope", "1024"), ("relu_squared", "128"), ("rope", "2048")]
+        ("relu_squared", "128"), ("rope", "1024"), ("fused_add_rms_norm", "1024")] + [
+        ("relu_squared", "128"), ("rope", "2048"), ("fused_add_rms_norm", "1024")]
     assert all(float(r["y_value_50_ms"]) > 0 and r["gpu_name"] == "cpu" for r in forward + full)
 
 
