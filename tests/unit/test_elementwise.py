@@ -201,8 +201,8 @@ def test_the_b200s_figure_prices_the_8bs_add_and_norm_fast_as_published():
     """Held out (nothing is fitted to these rows): the naive residual add + RMSNorm (bf16 rows of the Llama-3-8B's
     4,096, upcast to fp32, as transformers' decoder layer runs them) timed on a B200 at 1,024-8,192 tokens. Its figure,
     fitted to the Jensen-Shannon divergence's kernels of 0.5-12.6 GB, prices it 0.62-0.84 of its measured forward
-    and 0.71-0.95 of its forward and backward, faster the larger: a step's kernels of 3-400 MB stream slower on that
-    GPU than its loss-sized ones (docs/time.md). Its trace is the script's: the casts, the sum, the norm, and in
+    and 0.71-0.95 of its forward and backward, faster the larger: this chain's kernels of 3-400 MB stream slower on
+    that GPU than the loss-sized ones (docs/time.md). Its trace is the script's: the casts, the sum, the norm, and in
     backward the residual's and the weight's gradients added into (the benchmark clears x's only)."""
     hw = builtin()["b200"]
     forward, full = (elementwise.rows(mode, elementwise.ADD_NORM_DATA) for mode in ("forward", "full"))
