@@ -67,6 +67,9 @@ def register(subparsers) -> None:
     quick.add_argument("--norm", default="eager", choices=("eager", "fused"),
                        help="the model's RMSNorms: eager (transformers', the default) | fused (one op forward and one "
                             "backward: cpbench.use_fused_norm)")
+    quick.add_argument("--optimizer", default="foreach", choices=("foreach", "fused"),
+                       help="torch's AdamW: foreach (torch's default) | fused (AdamW(fused=True): one kernel over "
+                            "every parameter, no temporaries)")
     quick.add_argument("--offload-activations", action="store_true",
                        help="with --recompute: the recompute checkpoints in pinned host memory")
     quick.add_argument("--offload-params", action="store_true",
@@ -108,7 +111,7 @@ def _quick_suite(args):
               "batch_kind": args.batch_kind, "batch_size": args.batch_size, "loss": args.loss,
               "activation_checkpointing": args.recompute,
               "mixed_precision": args.mixed_precision, "recompute_every_n_layers": args.recompute_every,
-              "recompute_policy": args.recompute_policy, "norm": args.norm,
+              "recompute_policy": args.recompute_policy, "norm": args.norm, "optimizer": args.optimizer,
               "offload_activations": args.offload_activations, "offload_params": args.offload_params,
               "warmup_steps": 1, "measured_steps": 1}
     if args.compile is not None:

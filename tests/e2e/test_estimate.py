@@ -49,6 +49,7 @@ def matrix():
     points += _points('model = "tiny-qwen3"\nseq_lens = [256]\ncp_sizes = [2]\nmixed_precision = true\n'  # fp32 masters
                       'activation_checkpointing = true\nrecompute_policy = "op"\n'  # kept outputs: checkpoint's own
                       'norm = "fused"\n'  # the fused norm's own ops: their outputs and what they keep
+                      'optimizer = "fused"\n'  # AdamW(fused=True): the CPU's fused kernel, no temporaries
                       'keep_outputs = true\ndtype = "bfloat16"\nattn_implementations = ["sdpa"]\n'
                       'cp_styles = ["cp_ulysses"]\n')
     return points

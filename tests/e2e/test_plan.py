@@ -186,3 +186,17 @@ def test_plan_with_the_fused_norm_searches_and_says_it():
     assert _model_calls({**row, "norm": "eager"}) == []
     with pytest.raises(SystemExit):  # argparse's choices: a wrong value refused with the known ones
         main(["plan", "--model", "tiny-llama", "--seq", "8192", "--gpus", "2", "--gpu", "h100-sxm", "--norm", "x"])
+
+
+def test_plan_with_the_fused_adamw_searches_and_says_it():
+    """--optimizer fused: every configuration searched steps with AdamW(fused=True), and the winner's line says so."""
+    from cpbench.harness.project.commands import _model_calls
+    from cpbench.harness.project.plan import suite_text
+
+    opts = PlanOptions(model="tiny-llama", seq=8192, gpus=2, gpu="h100-sxm", optimizer="fused")
+    point = load_suite("t.toml", text=suite_text(opts, "sdpa", "cp_ulysses", 1, 2, RUNGS[1])).points()[0]
+    assert point.optimizer == "fused" and "/fused-adamw/" in point.point_id
+    row = {"norm": "eager", "optimizer": "fused", "activation_checkpointing": False, "tiled_mlp": "off",
+           "loss_mode": "full", "offload_activations": False, "balance": "documents"}
+    assert _model_calls(row) == ["torch.optim.AdamW(model.parameters(), fused=True)"]
+    assert _model_calls({**row, "optimizer": "foreach"}) == []

@@ -4,6 +4,7 @@ and every wrong value refused with its field, value and fix, all at once."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from cpbench.harness.suite.spec import load_suite
 from cpbench.harness.suite.suite_errors import SuiteErrors
@@ -106,3 +107,21 @@ def test_an_attention_level_suite_refuses_the_fused_norm():
     assert load_suite("t.toml", text=text).points()  # the same suite with the eager norm runs
     with pytest.raises(SuiteErrors, match="`norm` = 'fused': is a model-level setting"):
         load_suite("t.toml", text=text + 'norm = "fused"\n')
+
+
+def test_the_fused_adamw_reaches_the_points_their_names_and_their_optimizer():
+    from cpbench.harness.measure.step import make_optimizer
+
+    plain, fused = _suite("").points()[1], _suite('optimizer = "fused"\n').points()[1]
+    assert (plain.optimizer, fused.optimizer) == ("foreach", "fused")
+    assert fused.point_id == plain.point_id + "/fused-adamw"
+    assert fused.point_key != plain.point_key  # a key column, default "foreach": older rows keep their keys
+    model = torch.nn.Linear(4, 4)
+    assert make_optimizer(model, fused).defaults["fused"] is True
+    assert not make_optimizer(model, plain).defaults["fused"]  # torch's own pick: the per-tensor loop on the CPU
+    with pytest.raises(SuiteErrors, match="`optimizer` = 'apex'.*must be one of 'foreach', 'fused'"):
+        _suite('optimizer = "apex"\n')
+    text = ('model = "attention-h8-d64"\nlevel = "attention"\nimplementations = ["cpbench"]\nseq_lens = [256]\n'
+            'cp_sizes = [1, 2]\ncp_styles = ["cp_ulysses"]\noptimizer = "fused"\n')
+    with pytest.raises(SuiteErrors, match="`optimizer` = 'fused': is a model-level setting"):
+        load_suite("t.toml", text=text)

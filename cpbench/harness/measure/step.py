@@ -138,6 +138,9 @@ def make_optimizer(model: torch.nn.Module, point: Point) -> torch.optim.Optimize
     # torch picks foreach kernels for CUDA parameters and the per-tensor loop for CPU ones; a projection of a CUDA
     # point (CPU fake tensors) must hold the foreach temporaries that CUDA would, so the choice follows the point.
     # With parameter offload the optimizer runs on the host's copies: the per-tensor loop, as torch picks for CPU.
+    # `optimizer = "fused"`: torch's fused kernel (CUDA's, or the CPU's for host copies), on every device alike.
+    if point.optimizer == "fused":
+        return torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     return torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=point.device == "cuda" and not point.offload_params)
 
 

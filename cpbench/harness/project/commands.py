@@ -49,6 +49,9 @@ def register(subparsers) -> None:
     plan.add_argument("--norm", default="eager", choices=("eager", "fused"),
                       help="the model's RMSNorms in every configuration searched: eager (transformers', the default) | "
                            "fused (one op each way: cpbench.use_fused_norm; less memory kept, fewer kernels)")
+    plan.add_argument("--optimizer", default="foreach", choices=("foreach", "fused"),
+                      help="torch's AdamW in every configuration searched: foreach (torch's default) | fused "
+                           "(AdamW(fused=True): one kernel, no temporaries)")
     plan.set_defaults(func=plan_command)
 
     cal = subparsers.add_parser(
@@ -100,7 +103,8 @@ def plan_command(args) -> int:
                            styles=tuple(s.strip() for s in args.styles.split(",") if s.strip()),
                            attn=tuple(a.strip() for a in args.attn.split(",") if a.strip()),
                            overrides=_overrides(args.override), min_gain=args.min_gain, out=args.results,
-                           jobs=args.jobs, documents=_documents(args.documents), norm=args.norm)
+                           jobs=args.jobs, documents=_documents(args.documents), norm=args.norm,
+                           optimizer=args.optimizer)
         run_dir, search = run_plan(opts, on_row=lambda r: print(f"  {r['point_id']}: {r['status']}", flush=True))
     except ValueError as e:
         print(f"cpbench plan: {e}", file=sys.stderr)
@@ -137,7 +141,7 @@ def plan_table(best) -> str:
         levers = [n for n, on in ((recompute, r["activation_checkpointing"]), ("chunked loss",
                   r["loss_mode"] == "chunked"), ("offload act.", r["offload_activations"]),
                   ("tiled MLP", r["tiled_mlp"] not in (None, "off", "")), ("offload params", r["offload_params"]),
-                  ("fused norm", r.get("norm") == "fused"))
+                  ("fused norm", r.get("norm") == "fused"), ("fused AdamW", r.get("optimizer") == "fused"))
                   if on]
         config = _config(r)
         host = r.get("host_node_peak_bytes")
@@ -183,6 +187,8 @@ def _model_calls(r) -> list[str]:
         calls.append(f"cpbench.use_loss(model, {r['loss_mode']!r})")
     if r.get("balance") not in (None, "documents"):
         calls.append(f"cpbench.use_balance(model, {r['balance']!r})")
+    if r.get("optimizer") == "fused":
+        calls.append("torch.optim.AdamW(model.parameters(), fused=True)")
     return calls
 
 

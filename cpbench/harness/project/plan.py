@@ -80,6 +80,7 @@ class PlanOptions:
     prune: bool = True  # False: every configuration the memory floor allows (what pruning is tested against)
     documents: str | list = "none"  # --documents: packed documents (suite/documents.py)
     norm: str = "eager"  # --norm fused: every configuration searched with the fused RMSNorm (cp/fused/norm.py)
+    optimizer: str = "foreach"  # --optimizer fused: every configuration searched with AdamW(fused=True)
 
 
 def cp_sizes(gpus: int) -> list[int]:
@@ -128,6 +129,8 @@ def suite_text(opts: PlanOptions, attn: str, style: str, degree: int, cp: int, r
         fields["documents"] = opts.documents
     if opts.norm != "eager":
         fields["norm"] = opts.norm
+    if opts.optimizer != "foreach":
+        fields["optimizer"] = opts.optimizer
     lines = [f"{k} = {json.dumps(v)}" for k, v in fields.items()]
     if opts.overrides:
         lines.append("model_overrides = {" + ", ".join(f"{k} = {json.dumps(v)}" for k, v in opts.overrides.items())

@@ -62,6 +62,7 @@ _FREE = {"aten.detach", "aten.alias", "aten.empty", "aten.empty_like", "aten.emp
          "aten.new_empty_strided", "aten.lift_fresh", "aten.set_", "aten.resize_", "aten.record_stream",
          "aten._unsafe_view", "aten.view", "aten._reshape_alias", "aten.t", "aten.sym_size", "aten.sym_stride",
          "aten.sym_numel", "aten.is_same_size", "aten.sym_storage_offset", "aten._has_compatible_shallow_copy_type"}
+FUSED_ADAM = {"aten::_fused_adam_", "aten::_fused_adamw_"}  # torch's fused Adam(W): one kernel, every tensor
 _SYNC = {"aten._local_scalar_dense", "aten.nonzero", "aten.item", "aten.equal", "aten.is_nonzero"}
 
 
@@ -296,10 +297,16 @@ def _in_backward() -> bool:
 def _mutated(func, args, kwargs) -> list[torch.Tensor]:
     """The tensors an op writes in place, by its schema (`Tensor(a!)`): `self` of an in-place op, an `out=` tensor,
     and the lists of an in-place foreach op, which returns nothing (AdamW's `_foreach_lerp_` writes its averages,
-    `_foreach_addcdiv_` the parameters; FSDP2's `split_with_sizes_copy` its `out=` list)."""
+    `_foreach_addcdiv_` the parameters; FSDP2's `split_with_sizes_copy` its `out=` list). The fused Adam(W) kernel's
+    schema marks its gradients written, but it writes them only to unscale them, when given a `grad_scale`
+    (ATen/native/cuda/fused_adam_utils.cuh, FusedAdamMathFunctor: it "writes out gradients only when
+    `grad_scale_ptr != nullptr`")."""
     schema = getattr(func, "_schema", None)
     mutated = []
+    unscaled = schema is not None and schema.name in FUSED_ADAM and (kwargs or {}).get("grad_scale") is None
     for i, a in enumerate(schema.arguments if schema is not None else ()):
+        if unscaled and a.name == "grads":
+            continue
         if a.alias_info is not None and a.alias_info.is_write:
             mutated += _tensors(kwargs[a.name] if kwargs and a.name in kwargs else args[i] if i < len(args) else None)
     return mutated

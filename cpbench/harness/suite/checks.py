@@ -75,7 +75,7 @@ def _check_implementations(suite) -> None:
         model_only = {"batch_kind": ("plain", suite.batch_kind), "loss": ("full", suite.loss),
                       "activation_checkpointing": (False, suite.activation_checkpointing),
                       "offload_params": (False, suite.offload_params), "tiled_mlp": (False, suite.tiled_mlp),
-                      "norm": ("eager", suite.norm),
+                      "norm": ("eager", suite.norm), "optimizer": ("foreach", suite.optimizer),
                       "mixed_precision": (False, suite.mixed_precision), "keep_outputs": (False, suite.keep_outputs),
                       "fsdp_size": (1, suite.fsdp_size), "dp_replicate_size": (1, suite.dp_replicate_size)}
         for name, (default, value) in model_only.items():
@@ -156,6 +156,7 @@ _SCALARS = {  # field -> (check, what to write)
     "activation_checkpointing": (lambda v: isinstance(v, bool), "true or false"),
     "mixed_precision": (lambda v: isinstance(v, bool), "true or false"),
     "norm": (lambda v: isinstance(v, str), 'a string, e.g. norm = "fused"'),
+    "optimizer": (lambda v: isinstance(v, str), 'a string, e.g. optimizer = "fused"'),
     "parity": (lambda v: isinstance(v, str), 'a string, e.g. parity = "auto"'),
     "reference": (lambda v: isinstance(v, str), 'a string, e.g. reference = "sharded"'),
     "timeout_s": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number of seconds"),

@@ -1,6 +1,6 @@
 """The levers of a suite, checked: recompute (every layer or every n-th; whole layers or op by op), activation
 offload (the recompute checkpoints in host memory), parameter and optimizer offload (FSDP2's CPUOffloadPolicy), the
-sequence-tiled MLP, the fused norm and torch.compile of each decoder layer. Each error names the field, the value and
+sequence-tiled MLP, the fused norm, the fused AdamW and torch.compile of each decoder layer. Each error names the field, the value and
 the fix; every one is reported (suite_errors.py)."""
 
 from __future__ import annotations
@@ -8,6 +8,8 @@ from __future__ import annotations
 from cpbench.harness.suite.suite_errors import Collector, err
 
 TILED_MLP_AUTO = "auto"
+# torch's AdamW as a point steps with it: "foreach" (torch's default) or "fused" (AdamW(fused=True))
+OPTIMIZERS = ("foreach", "fused")
 # torch.compile's modes; a suite's `compile` is false / "off", true / "on" (torch's default mode) or one of them
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
@@ -78,6 +80,10 @@ def check_levers(suite) -> None:
     if suite.norm not in NORM_MODES:
         found.errors.append(str(err("norm", suite.norm, f"must be one of {', '.join(map(repr, NORM_MODES))}: "
                                     "'fused' runs every RMSNorm as one op forward and one backward.")))
+    if suite.optimizer not in OPTIMIZERS:
+        found.errors.append(str(err("optimizer", suite.optimizer, f"must be one of {', '.join(map(repr, OPTIMIZERS))}"
+                                    ": torch's AdamW as it picks (foreach) or AdamW(fused=True), one kernel over "
+                                    "every parameter.")))
     mode = suite.compile
     if not (isinstance(mode, bool) or mode in ("off", "on", *COMPILE_MODES)):
         found.errors.append(str(err("compile", mode, f"must be true, false, \"on\", \"off\" or a torch.compile mode "

@@ -55,6 +55,9 @@ class Suite:
     offload_activations: bool = False  # the recompute checkpoints in (pinned) host memory (transformers' offload)
     offload_params: bool = False  # FSDP2's CPUOffloadPolicy: parameters, gradients, optimizer state on the host
     norm: str = "eager"  # "fused": every RMSNorm as one op each way (cpbench.use_fused_norm)
+    # torch's AdamW: "foreach" (torch's default: its multi-tensor kernels on a GPU, the per-tensor loop on the CPU)
+    # or "fused" (AdamW(fused=True): one kernel over every parameter, no temporaries; step.make_optimizer)
+    optimizer: str = "foreach"
     tiled_mlp: bool | int | str = False  # true / "auto" / a tile count: each layer's MLP over tiles of the sequence
     # FSDP2's mixed precision: fp32 weights, gradients and optimizer state (the master copy), compute in `dtype`
     # (bfloat16), gradients reduced in fp32 (transformers' `fsdp_mixed_precision`). Needs FSDP: world_size > 1.
@@ -123,6 +126,7 @@ class Point:
     offload_params: bool = False
     tiled_mlp: str = "off"  # "off", "auto" or a tile count
     norm: str = "eager"
+    optimizer: str = "foreach"  # torch's AdamW: foreach (its default) | fused (Suite.optimizer)
     mixed_precision: bool = False
     parity_mode: str
     reference: str = "auto"
@@ -168,6 +172,8 @@ class Point:
             parts.append(f"tiled-mlp-{self.tiled_mlp}")
         if self.norm != "eager":
             parts.append(f"{self.norm}-norm")
+        if self.optimizer != "foreach":
+            parts.append(f"{self.optimizer}-adamw")
         if self.compile != "off":
             parts.append("compiled" + ("" if self.compile == "default" else f"-{self.compile}"))
         if self.mixed_precision:
@@ -304,7 +310,8 @@ def _point(suite: Suite, model: str, cp: int, attn: str, style: str, seq_len: in
         recompute_every_n_layers=suite.recompute_every_n_layers if suite.activation_checkpointing else 1,
         recompute_policy=suite.recompute_policy if suite.activation_checkpointing else "full",
         offload_activations=suite.offload_activations, offload_params=suite.offload_params and world > 1,
-        tiled_mlp=tiled_mlp_tiles(suite.tiled_mlp), norm=suite.norm, compile=compile_mode(suite.compile),
+        tiled_mlp=tiled_mlp_tiles(suite.tiled_mlp), norm=suite.norm, optimizer=suite.optimizer,
+        compile=compile_mode(suite.compile),
         parity_mode=suite.parity, reference=suite.reference, timeout_s=float(suite.timeout_s),
         seed=suite.seed, level=suite.level, implementation=impl,
         cp_ulysses_degree=suite.cp_ulysses_degree if style == "cp_usp" else 1, cp_plan=dict(suite.cp_plan),

@@ -49,6 +49,7 @@ KEY_VALUES = {
     "recompute_every_n_layers": (1, 2),
     "recompute_policy": ("full", "op"),
     "norm": ("eager", "fused"),
+    "optimizer": ("foreach", "fused"),
     "offload_activations": (False, True),
     "offload_params": (False, True),
     "tiled_mlp": ("off", "auto", "4"),
