@@ -82,6 +82,9 @@ est titan-llama-8b-a100 --model llama-3-8b $APRIL --world-size 64 --recompute --
 est titan-llama-70b-a100 --model llama-3.1-70b $APRIL --world-size 64 --recompute
 est titan-llama-8b-a100-op --model llama-3-8b $APRIL --world-size 64 --recompute --recompute-policy op
 est titan-pr355-llama-8b-a100 --model llama-3-8b $A100 --world-size 8 --recompute --recompute-policy op
+# PR #355 measured fused AdamW beside it on the same box: 'wps is + ~100' (orderings.toml, titan-optim)
+est titan-pr355-llama-8b-a100-fused --model llama-3-8b $A100 --world-size 8 --recompute --recompute-policy op \
+  --optimizer fused
 # torchtitan docs/performance.md as first published (commits 395a52627, 1ea476e9f, April 2024): Llama 2 13B on 64 A100s,
 # local batch 2 x 4096 tokens, without AC, with selective layer AC (every 2nd layer) and with selective op AC
 T13="--model $MODELS/llama-2-13b $APRIL --seq 4096 --batch-size 2 --world-size 64"
