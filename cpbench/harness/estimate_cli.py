@@ -70,6 +70,9 @@ def register(subparsers) -> None:
     quick.add_argument("--optimizer", default="foreach", choices=("foreach", "fused"),
                        help="torch's AdamW: foreach (torch's default) | fused (AdamW(fused=True): one kernel over "
                             "every parameter, no temporaries)")
+    quick.add_argument("--max-grad-norm", type=float, default=0.0, metavar="NORM",
+                       help="clip the gradients to this global norm before each optimizer step, as transformers' "
+                            "Trainer, torchtitan and DeepSpeed do by default at 1.0 (default 0: no clipping)")
     quick.add_argument("--offload-activations", action="store_true",
                        help="with --recompute: the recompute checkpoints in pinned host memory")
     quick.add_argument("--offload-params", action="store_true",
@@ -112,6 +115,7 @@ def _quick_suite(args):
               "activation_checkpointing": args.recompute,
               "mixed_precision": args.mixed_precision, "recompute_every_n_layers": args.recompute_every,
               "recompute_policy": args.recompute_policy, "norm": args.norm, "optimizer": args.optimizer,
+              "max_grad_norm": args.max_grad_norm,
               "offload_activations": args.offload_activations, "offload_params": args.offload_params,
               "warmup_steps": 1, "measured_steps": 1}
     if args.compile is not None:

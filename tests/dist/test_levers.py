@@ -7,6 +7,8 @@
   every other matmul's outputs; the ring's and the tiled MLP's tiles recomputed whole);
 - parameter and optimizer offload (`DistributedConfig(fsdp_cpu_offload=True)`, FSDP2's CPUOffloadPolicy; on CPU it
   pins nothing, see cpbench/cp/hf_compat/__init__.py), with an optimizer step;
+- gradient clipping (`torch.nn.utils.clip_grad_norm_` on the sharded gradients: the unsharded global norm, every
+  gradient halved), then an AdamW step (the fused kernel with all levers);
 - all of them together with the chunked loss and the fused RMSNorm (`cpbench.use_fused_norm`: one op each way,
   inside the tiled MLP's tiles where the norm joins them), with whole-layer recompute ("all") and with op recompute
   ("all_op").
@@ -66,9 +68,17 @@ def _errors(model, batch: dict, ref: dict, lever: str) -> dict:
     if out.logits is not None:
         layout = model.cp_layout(batch["input_ids"].shape[1])
         logits = (cpbench.gather_sequence(out.logits.detach(), layout, model.cp_group) - ref["logits"]).abs().max()
-    torch.optim.AdamW(model.parameters(), lr=1e-3).step()  # offloaded parameters step on the host
+    # clip_grad_norm_ over the shards (each rank's DTensor norms summed over the ranks) meets the unsharded
+    # gradients' global norm and halves them all; then a fused AdamW (all levers) or the per-tensor loop steps the
+    # shards, offloaded ones on the host
+    ref_norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in ref["grads"].values()])).item()
+    total = torch.nn.utils.clip_grad_norm_(model.parameters(), ref_norm / 2)
+    total = (total.full_tensor() if hasattr(total, "full_tensor") else total).item()
+    clipped, _ = worst_grad_error(full_grads(model), {n: g / 2 for n, g in ref["grads"].items()})
+    torch.optim.AdamW(model.parameters(), lr=1e-3, fused=lever in ALL).step()
     return {"loss": abs(out.loss.item() - ref["loss"].item()) / abs(ref["loss"].item()),
             "logits": None if logits is None else logits.item(), "grad": grad, "grad_where": where,
+            "norm": abs(total - ref_norm) / ref_norm, "clipped": clipped,
             "param_device": next(model.parameters()).device.type}
 
 
@@ -107,6 +117,7 @@ def test_a_lever_keeps_the_unsharded_loss_and_gradients(results, cp, name, style
         errs = per_rank[(name, style, lever)]
         assert errs["loss"] <= LOSS_RTOL, f"rank {rank}: loss relative error {errs['loss']:.3g}"
         assert errs["grad"] <= GRAD_RTOL, f"rank {rank}: gradient error {errs['grad']:.3g} in {errs['grad_where']}"
+        assert errs["norm"] <= GRAD_RTOL and errs["clipped"] <= GRAD_RTOL, f"rank {rank}: clipping {errs}"
         if lever in ALL:
             assert errs["logits"] is None  # the chunked loss never makes the logits
         else:

@@ -45,6 +45,7 @@ def matrix():
                       'cp_styles = ["cp_ring_zigzag"]\n')
     points += _points('model = "tiny-llama"\nseq_lens = [256]\ncp_sizes = [2]\nactivation_checkpointing = true\n'
                       'recompute_every_n_layers = 1\noffload_activations = true\noffload_params = true\n'  # host.py
+                      'max_grad_norm = 1.0\n'  # clip_grad_norm_ of the host's gradients, in the optimizer's host phase
                       'attn_implementations = ["sdpa"]\ncp_styles = ["cp_ring"]\n')
     points += _points('model = "tiny-qwen3"\nseq_lens = [256]\ncp_sizes = [2]\nmixed_precision = true\n'  # fp32 masters
                       'activation_checkpointing = true\nrecompute_policy = "op"\n'  # kept outputs: checkpoint's own

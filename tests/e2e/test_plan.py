@@ -188,14 +188,15 @@ def test_plan_with_the_fused_norm_searches_and_says_it():
         main(["plan", "--model", "tiny-llama", "--seq", "8192", "--gpus", "2", "--gpu", "h100-sxm", "--norm", "x"])
 
 
-def test_plan_with_the_fused_adamw_searches_and_says_it():
-    """--optimizer fused: every configuration searched steps with AdamW(fused=True), and the winner's line says so."""
+def test_plan_with_the_fused_adamw_and_clipping_searches_and_says_it():
+    """--optimizer fused --max-grad-norm 1: every configuration searched steps with AdamW(fused=True) after clipping
+    its gradients, and the winner's line says the optimizer."""
     from cpbench.harness.project.commands import _model_calls
     from cpbench.harness.project.plan import suite_text
 
-    opts = PlanOptions(model="tiny-llama", seq=8192, gpus=2, gpu="h100-sxm", optimizer="fused")
+    opts = PlanOptions(model="tiny-llama", seq=8192, gpus=2, gpu="h100-sxm", optimizer="fused", max_grad_norm=1.0)
     point = load_suite("t.toml", text=suite_text(opts, "sdpa", "cp_ulysses", 1, 2, RUNGS[1])).points()[0]
-    assert point.optimizer == "fused" and "/fused-adamw/" in point.point_id
+    assert point.optimizer == "fused" and "/fused-adamw/clip1/" in point.point_id and point.max_grad_norm == 1.0
     row = {"norm": "eager", "optimizer": "fused", "activation_checkpointing": False, "tiled_mlp": "off",
            "loss_mode": "full", "offload_activations": False, "balance": "documents"}
     assert _model_calls(row) == ["torch.optim.AdamW(model.parameters(), fused=True)"]

@@ -175,17 +175,20 @@ class HostLedger:
     @contextlib.contextmanager
     def _optimizer_on_host(self, optimizer):
         """Tracked mode: what the optimizer step allocates is host memory (it runs on the host's copies)."""
+        from cpbench.harness.measure.step import optimizer_phase_hooks
+
         phase = None
 
-        def pre(*_):
+        def pre():
             nonlocal phase
             phase = self.tracker.host_phase()
             phase.__enter__()
 
-        def post(*_):
+        def post():
             phase.__exit__(None, None, None)
 
-        handles = [optimizer.register_step_pre_hook(pre), optimizer.register_step_post_hook(post)]
+        # the clipping of the host's gradients (step.make_optimizer's own hook) is inside the phase too
+        handles = optimizer_phase_hooks(optimizer, pre, post)
         try:
             yield
         finally:

@@ -139,9 +139,36 @@ def make_optimizer(model: torch.nn.Module, point: Point) -> torch.optim.Optimize
     # point (CPU fake tensors) must hold the foreach temporaries that CUDA would, so the choice follows the point.
     # With parameter offload the optimizer runs on the host's copies: the per-tensor loop, as torch picks for CPU.
     # `optimizer = "fused"`: torch's fused kernel (CUDA's, or the CPU's for host copies), on every device alike.
+    foreach = point.device == "cuda" and not point.offload_params
     if point.optimizer == "fused":
-        return torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    return torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=point.device == "cuda" and not point.offload_params)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=foreach)
+    if point.max_grad_norm:  # a training loop's clip_grad_norm_ right before each optimizer.step(), as its first hook
+        params = list(model.parameters())
+
+        def clip(*_) -> None:
+            torch.nn.utils.clip_grad_norm_(params, point.max_grad_norm, foreach=foreach)
+
+        optimizer.register_step_pre_hook(clip)
+    return optimizer
+
+
+def optimizer_phase_hooks(optimizer, enter, leave) -> list:
+    """Calls `enter` before `optimizer`'s step and its own pre-hooks, `leave` after the step and its own post-hooks:
+    torch's global step hooks, which run first and last (torch/optim/optimizer.py, Optimizer.profile_hook_step),
+    filtered to `optimizer`. Returns their handles."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    def pre(opt, *_):
+        if opt is optimizer:
+            enter()
+
+    def post(opt, *_):
+        if opt is optimizer:
+            leave()
+
+    return [register_optimizer_step_pre_hook(pre), register_optimizer_step_post_hook(post)]
 
 
 def forward(model, batch: dict):

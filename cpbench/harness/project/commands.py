@@ -52,6 +52,9 @@ def register(subparsers) -> None:
     plan.add_argument("--optimizer", default="foreach", choices=("foreach", "fused"),
                       help="torch's AdamW in every configuration searched: foreach (torch's default) | fused "
                            "(AdamW(fused=True): one kernel, no temporaries)")
+    plan.add_argument("--max-grad-norm", type=float, default=0.0, metavar="NORM",
+                      help="every configuration searched clips its gradients to this global norm before each "
+                           "optimizer step (transformers' Trainer's default is 1.0; default 0: no clipping)")
     plan.set_defaults(func=plan_command)
 
     cal = subparsers.add_parser(
@@ -104,7 +107,7 @@ def plan_command(args) -> int:
                            attn=tuple(a.strip() for a in args.attn.split(",") if a.strip()),
                            overrides=_overrides(args.override), min_gain=args.min_gain, out=args.results,
                            jobs=args.jobs, documents=_documents(args.documents), norm=args.norm,
-                           optimizer=args.optimizer)
+                           optimizer=args.optimizer, max_grad_norm=args.max_grad_norm)
         run_dir, search = run_plan(opts, on_row=lambda r: print(f"  {r['point_id']}: {r['status']}", flush=True))
     except ValueError as e:
         print(f"cpbench plan: {e}", file=sys.stderr)
@@ -141,7 +144,8 @@ def plan_table(best) -> str:
         levers = [n for n, on in ((recompute, r["activation_checkpointing"]), ("chunked loss",
                   r["loss_mode"] == "chunked"), ("offload act.", r["offload_activations"]),
                   ("tiled MLP", r["tiled_mlp"] not in (None, "off", "")), ("offload params", r["offload_params"]),
-                  ("fused norm", r.get("norm") == "fused"), ("fused AdamW", r.get("optimizer") == "fused"))
+                  ("fused norm", r.get("norm") == "fused"), ("fused AdamW", r.get("optimizer") == "fused"),
+                  ("clipped", bool(r.get("max_grad_norm"))))
                   if on]
         config = _config(r)
         host = r.get("host_node_peak_bytes")

@@ -81,6 +81,7 @@ class PlanOptions:
     documents: str | list = "none"  # --documents: packed documents (suite/documents.py)
     norm: str = "eager"  # --norm fused: every configuration searched with the fused RMSNorm (cp/fused/norm.py)
     optimizer: str = "foreach"  # --optimizer fused: every configuration searched with AdamW(fused=True)
+    max_grad_norm: float = 0.0  # --max-grad-norm: every configuration clips its gradients first (0: none)
 
 
 def cp_sizes(gpus: int) -> list[int]:
@@ -131,6 +132,8 @@ def suite_text(opts: PlanOptions, attn: str, style: str, degree: int, cp: int, r
         fields["norm"] = opts.norm
     if opts.optimizer != "foreach":
         fields["optimizer"] = opts.optimizer
+    if opts.max_grad_norm:
+        fields["max_grad_norm"] = opts.max_grad_norm
     lines = [f"{k} = {json.dumps(v)}" for k, v in fields.items()]
     if opts.overrides:
         lines.append("model_overrides = {" + ", ".join(f"{k} = {json.dumps(v)}" for k, v in opts.overrides.items())

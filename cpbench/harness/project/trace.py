@@ -140,14 +140,13 @@ class StepTrace(TorchDispatchMode):
         self.ops.append(Op(stream, direction, self.phase, 0.0, float(nbytes), (), (), backward=_in_backward()))
 
     def optimizer_hooks(self, optimizer):
-        """Marks the optimizer step's ops (its own share of the breakdown); returns the hook handles."""
-        def pre(*_):
-            self.phase = "optimizer"
+        """Marks the optimizer step's ops (its own share of the breakdown), the gradient clipping that runs as the
+        step's own hook included (step.make_optimizer): torch runs the global hooks before the optimizer's own and
+        after them (Optimizer.profile_hook_step). Returns the hook handles."""
+        from cpbench.harness.measure.step import optimizer_phase_hooks
 
-        def post(*_):
-            self.phase = "step"
-
-        return [optimizer.register_step_pre_hook(pre), optimizer.register_step_post_hook(post)]
+        return optimizer_phase_hooks(optimizer, lambda: setattr(self, "phase", "optimizer"),
+                                     lambda: setattr(self, "phase", "step"))
 
     def checkpoint_hooks(self, model: torch.nn.Module):
         """Marks each layer activation checkpointing recomputes, once a step where the host does the work: a

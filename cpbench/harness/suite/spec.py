@@ -58,6 +58,9 @@ class Suite:
     # torch's AdamW: "foreach" (torch's default: its multi-tensor kernels on a GPU, the per-tensor loop on the CPU)
     # or "fused" (AdamW(fused=True): one kernel over every parameter, no temporaries; step.make_optimizer)
     optimizer: str = "foreach"
+    # > 0: every step clips the gradients' global norm to it before the optimizer step (torch.nn.utils.clip_grad_norm_,
+    # as transformers' Trainer, torchtitan and DeepSpeed do by default at 1.0); 0: no clipping (Trainer's "off")
+    max_grad_norm: float = 0.0
     tiled_mlp: bool | int | str = False  # true / "auto" / a tile count: each layer's MLP over tiles of the sequence
     # FSDP2's mixed precision: fp32 weights, gradients and optimizer state (the master copy), compute in `dtype`
     # (bfloat16), gradients reduced in fp32 (transformers' `fsdp_mixed_precision`). Needs FSDP: world_size > 1.
@@ -127,6 +130,7 @@ class Point:
     tiled_mlp: str = "off"  # "off", "auto" or a tile count
     norm: str = "eager"
     optimizer: str = "foreach"  # torch's AdamW: foreach (its default) | fused (Suite.optimizer)
+    max_grad_norm: float = 0.0  # > 0: the gradients clipped to this global norm before each optimizer step
     mixed_precision: bool = False
     parity_mode: str
     reference: str = "auto"
@@ -174,6 +178,8 @@ class Point:
             parts.append(f"{self.norm}-norm")
         if self.optimizer != "foreach":
             parts.append(f"{self.optimizer}-adamw")
+        if self.max_grad_norm:
+            parts.append(f"clip{self.max_grad_norm:g}")
         if self.compile != "off":
             parts.append("compiled" + ("" if self.compile == "default" else f"-{self.compile}"))
         if self.mixed_precision:
@@ -311,7 +317,7 @@ def _point(suite: Suite, model: str, cp: int, attn: str, style: str, seq_len: in
         recompute_policy=suite.recompute_policy if suite.activation_checkpointing else "full",
         offload_activations=suite.offload_activations, offload_params=suite.offload_params and world > 1,
         tiled_mlp=tiled_mlp_tiles(suite.tiled_mlp), norm=suite.norm, optimizer=suite.optimizer,
-        compile=compile_mode(suite.compile),
+        max_grad_norm=float(suite.max_grad_norm), compile=compile_mode(suite.compile),
         parity_mode=suite.parity, reference=suite.reference, timeout_s=float(suite.timeout_s),
         seed=suite.seed, level=suite.level, implementation=impl,
         cp_ulysses_degree=suite.cp_ulysses_degree if style == "cp_usp" else 1, cp_plan=dict(suite.cp_plan),

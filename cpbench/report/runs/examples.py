@@ -50,6 +50,7 @@ KEY_VALUES = {
     "recompute_policy": ("full", "op"),
     "norm": ("eager", "fused"),
     "optimizer": ("foreach", "fused"),
+    "max_grad_norm": (0.0, 1.0),
     "offload_activations": (False, True),
     "offload_params": (False, True),
     "tiled_mlp": ("off", "auto", "4"),

@@ -1,9 +1,12 @@
-"""The fused AdamW lever as a projection sees it (suite `optimizer = "fused"`, trace.py): one kernel over every
-parameter that moves each one's four fp32 values in and three out, its gradients written only when it unscales them
-(ATen's FusedAdamMathFunctor), against the nine multi-tensor kernels and the temporaries of torch's foreach AdamW."""
+"""The optimizer step's levers as a step runs them and a projection sees them (trace.py). The fused AdamW (`optimizer
+= "fused"`): one kernel over every parameter that moves each one's four fp32 values in and three out, its gradients
+written only when it unscales them (ATen's FusedAdamMathFunctor), against the nine multi-tensor kernels and the
+temporaries of torch's foreach AdamW. Gradient clipping (`max_grad_norm`): clip_grad_norm_ before each step, inside
+the step's share of the trace."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from cpbench.harness.project.trace import StepTrace
@@ -55,14 +58,16 @@ def test_the_fused_step_moves_a_third_of_the_foreach_steps_bytes():
     assert 75 * n < moved["foreach"] < 85 * n and moved["fused"] < 29 * n
 
 
-def _project(optimizer: str) -> dict:
+def _project(optimizer: str, extra: str = "", world: int = 1, keep_trace: bool = False) -> dict:
     from cpbench.harness.project.hardware import load
     from cpbench.harness.project.projection import project_rank
     from cpbench.harness.suite.spec import load_suite
 
-    text = ('name = "t"\nmodel = "tiny-llama"\nseq_lens = [16]\ncp_sizes = [1]\nworld_size = 1\ndtype = "bfloat16"\n'
-            f'device = "cuda"\nwarmup_steps = 1\nmeasured_steps = 1\noptimizer = "{optimizer}"\n')
-    return project_rank(load_suite("t.toml", text=text).points()[0], 0, hardware=load("a100-sxm"))
+    text = (f'name = "t"\nmodel = "tiny-llama"\nseq_lens = [16]\ncp_sizes = [1]\nworld_size = {world}\n'
+            f'dtype = "bfloat16"\ndevice = "cuda"\nwarmup_steps = 1\nmeasured_steps = 1\noptimizer = "{optimizer}"\n'
+            + extra)
+    return project_rank(load_suite("t.toml", text=text).points()[0], 0, hardware=load("a100-sxm"),
+                        keep_trace=keep_trace)
 
 
 def test_a_projection_prices_the_fused_step_faster_and_holds_no_foreach_temporaries():
@@ -73,3 +78,31 @@ def test_a_projection_prices_the_fused_step_faster_and_holds_no_foreach_temporar
     # 16 tokens: the step's peak falls in the optimizer step, where foreach holds a parameter-sized list of square
     # roots (`_foreach_sqrt` of the second averages) beside the state; the fused kernel holds nothing more
     assert foreach["peak_bytes"] - fused["peak_bytes"] >= 0.95 * fused["params_bytes"]
+
+
+def test_a_clipped_step_clips_before_the_optimizer_steps():
+    from cpbench.harness.suite.spec import load_suite
+    from cpbench.harness.measure.step import make_optimizer
+
+    point = load_suite("t.toml", text='model = "tiny-llama"\nseq_lens = [16]\ncp_sizes = [1]\nmax_grad_norm = 0.5\n'
+                       ).points()[0]
+    model = torch.nn.Linear(8, 8)
+    optimizer = make_optimizer(model, point)
+    (model(torch.ones(4, 8)) * 100).sum().backward()
+    assert torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in model.parameters()])) > 1
+    optimizer.step()
+    clipped = torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    assert clipped == pytest.approx(0.5, rel=1e-4)  # clip_grad_norm_'s 1e-6 in the coefficient's denominator
+
+
+def test_a_projection_prices_the_clipping_in_the_optimizer_step():
+    plain = _project("foreach", world=2, extra="mixed_precision = true\n", keep_trace=True)
+    clipped = _project("foreach", world=2, extra="mixed_precision = true\nmax_grad_norm = 1.0\n", keep_trace=True)
+    added = [o for o in clipped["trace"] if o.phase == "optimizer"][: -len([o for o in plain["trace"]
+                                                                             if o.phase == "optimizer"])]
+    names = [o.name or o.kind for o in added]
+    # the gradients' norms (each read once), their sum over the ranks' shards, the coefficient, the gradients scaled
+    assert names[0] == "aten._foreach_norm" and "all_reduce" in names and names[-1] == "aten._foreach_mul_"
+    grads = clipped["optimizer_bytes"] / 2  # the rank's fp32 gradient shards: the size of each of AdamW's averages
+    assert added[0].bytes == pytest.approx(grads, rel=0.01) and added[-1].bytes == pytest.approx(2 * grads, rel=0.01)
+    assert clipped["time"]["optimizer_s"] > plain["time"]["optimizer_s"]
