@@ -40,7 +40,8 @@ B200_FA4=results/published/profiles/b200-fa4.toml
 # 32B rows were not run with it as shipped: PR #6846's review says the 32B result needs the parameters offloaded and the
 # MLP tiled over the sequence (its author: "lever 5 in the guide", 16,384-token tiles: 8 tiles of 131,072), and fp32
 # state of 30.5B parameters on 8 GPUs (61 GB) cannot be the 30B-A3B's 46.0 GB: both with --offload-params.
-TRL="--recompute --offload-activations --loss chunked --gpu h100-sxm --mixed-precision"
+# Gradients clipped at 1.0 before each step: transformers' TrainingArguments' max_grad_norm, which TRL's SFTConfig keeps.
+TRL="--recompute --offload-activations --loss chunked --gpu h100-sxm --mixed-precision --max-grad-norm 1.0"
 est trl-qwen3-8b-1m --model qwen3-8b --override max_position_embeddings=1048576 --seq 1048576 --cp 8 --world-size 8 \
   --styles cp_ulysses $TRL
 est trl-qwen3-8b-1m-ring --model qwen3-8b --override max_position_embeddings=1048576 --seq 1048576 --cp 8 \
@@ -69,14 +70,17 @@ est alst-llama-15m $ALST --seq 15000000 --cp 32 --world-size 32 --offload-activa
 # --- torchtitan, Llama 3.1 8B, FSDP, 8192 tokens, local batch 2, selective op AC (every layer keeps its SDPA output
 # and every other mm's: cpbench's --recompute-policy op, cpbench/cp/recompute.py). Torch of December 2024: SDPA took
 # the flash kernel (cuDNN was opt-in). Their H100s: 96 GB HBM2e at 500 W.
+# Every torchtitan row clips its gradients at 1.0 (train_configs/*.toml: max_norm = 1.0; train.py: clip_grad_norm_
+# with foreach=True), at each of the commits below.
 TITAN="--model llama-3-8b --seq 8192 --cp 1 --recompute --recompute-policy op --batch-size 2 --mixed-precision"
+TITAN="$TITAN --max-grad-norm 1.0"
 est titan-llama-8b-h100 $TITAN --world-size 8 --gpu h100-hbm2e-500w --sdpa-kernel flash
 est titan-llama-8b-h100-128 $TITAN --world-size 128 --gpu h100-hbm2e-500w --sdpa-kernel flash
 # torchtitan, Llama 3 8B and 70B on 64 A100s (8 nodes), 8192 tokens, local batch 1; and the 8B on one 8 x A100 node
 # (PR #355's logs, foreach AdamW, selective op AC); the 64-GPU rows with selective layer AC (every 2nd layer) and op AC
 # April 2024's torchtitan ran its fused (Triton) RMSNorm (train_configs/*.toml at 1ea476e9f: norm_type =
 # 'fused_rmsnorm'): cpbench's --norm fused, one kernel each way; June 2024's (PR #355) the eager one, as HF's.
-A100="--seq 8192 --cp 1 --mixed-precision --gpu a100-sxm"
+A100="--seq 8192 --cp 1 --mixed-precision --gpu a100-sxm --max-grad-norm 1.0"
 APRIL="$A100 --norm fused"
 est titan-llama-8b-a100 --model llama-3-8b $APRIL --world-size 64 --recompute --recompute-every 2
 est titan-llama-70b-a100 --model llama-3.1-70b $APRIL --world-size 64 --recompute
@@ -92,20 +96,23 @@ est titan-llama2-13b-a100-none $T13
 est titan-llama2-13b-a100-layer $T13 --recompute --recompute-every 2
 est titan-llama2-13b-a100-op $T13 --recompute --recompute-policy op
 
-# --- ml-engineering (stas00), HF transformers, eager, bf16, 1 sequence per GPU.
+# --- ml-engineering (stas00), HF transformers, eager, bf16, 1 sequence per GPU. DeepSpeed clips the gradients at 1.0
+# (insights/when-to-upgrade-gpus, bench_decompose.py and benchmark.py, ds_config: "gradient_clipping": 1.0).
 # 8 x H200, Llama-3.1-8B at 8k, DeepSpeed ZeRO-2, FlashAttention-3, no recompute, no offload
-est mleng-h200-8b-8k --model llama-3-8b --seq 8192 --cp 1 --world-size 8 --mixed-precision --gpu "$H200_FA3"
+est mleng-h200-8b-8k --model llama-3-8b --seq 8192 --cp 1 --world-size 8 --mixed-precision --gpu "$H200_FA3" \
+  --max-grad-norm 1.0
 # the same on 8 x B200, FlashAttention-4
-est mleng-b200-8b-8k-zero2 --model llama-3-8b --seq 8192 --cp 1 --world-size 8 --mixed-precision --gpu "$B200_FA4"
+est mleng-b200-8b-8k-zero2 --model llama-3-8b --seq 8192 --cp 1 --world-size 8 --mixed-precision --gpu "$B200_FA4" \
+  --max-grad-norm 1.0
 # the same, ZeRO-3 with the optimizer on the host, recompute, Liger: cpbench offloads the parameters too
 for seq in 8192 32768 65536 131072; do
   est "mleng-h200-8b-offload-$((seq / 1024))k" --model llama-3-8b --seq "$seq" --cp 1 --world-size 8 --mixed-precision \
-    --recompute --offload-params --loss chunked --gpu "$H200_FA3"
+    --recompute --offload-params --loss chunked --gpu "$H200_FA3" --max-grad-norm 1.0
 done
 # the same table on B200s (flash-attn-4): the B200 / H200 speedup by length (orderings.toml)
 for seq in 8192 32768 65536 131072; do
   est "mleng-b200-8b-offload-$((seq / 1024))k" --model llama-3-8b --seq "$seq" --cp 1 --world-size 8 --mixed-precision \
-    --recompute --offload-params --loss chunked --gpu "$B200_FA4"
+    --recompute --offload-params --loss chunked --gpu "$B200_FA4" --max-grad-norm 1.0
 done
 # 1 x B200, torch 2.13, the model and AdamW in bf16 (no master weights), gradient checkpointing, SDPA (cuDNN there)
 est mleng-b200-1b-512 --model $MODELS/llama-3.2-1b --seq 512 --cp 1 --world-size 1 --recompute --gpu b200
@@ -116,7 +123,8 @@ est mleng-b200-8b-8k --model llama-3-8b --seq 8192 --cp 1 --world-size 1 --recom
 for cp in 1 2 4 8; do
   seq=$((32768 * cp))
   est "titan-cp-$cp" --model llama-3-8b --seq "$seq" --cp "$cp" --world-size 8 --styles cp_ring_zigzag --recompute \
-    --mixed-precision --gpu h100-hbm2e-500w --sdpa-kernel flash --override max_position_embeddings=262144
+    --mixed-precision --gpu h100-hbm2e-500w --sdpa-kernel flash --override max_position_embeddings=262144 \
+    --max-grad-norm 1.0
 done
 for seq in 32768 131072; do
   for style in cp_ulysses cp_ring_zigzag cp_ring; do
