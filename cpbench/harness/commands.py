@@ -49,6 +49,18 @@ BALANCE_HELP = ("the zigzag ring's placement (cp_ring_zigzag, cp_usp), in place 
 COMPILE_HELP = ("torch.compile each decoder layer, in place of the suite's `compile`: alone (torch's default mode), off, or "
                 "a mode (max-autotune-no-cudagraphs, ...); rows record graph_breaks, recompiles and compile_s. A "
                 "projection prices the eager step (its row's projected_pricing says so)")
+
+
+def add_optimizer_flags(parser: argparse.ArgumentParser, scope: str) -> None:
+    """--optimizer and --max-grad-norm, for `scope` ("the step", "every configuration searched")."""
+    parser.add_argument("--optimizer", default="foreach", choices=("foreach", "fused"),
+                        help=f"torch's AdamW in {scope}: foreach (torch's default) | fused (AdamW(fused=True): one "
+                             "kernel over every parameter, no temporaries)")
+    parser.add_argument("--max-grad-norm", type=float, default=0.0, metavar="NORM",
+                        help=f"{scope} clips the gradients to this global norm before each optimizer step, as "
+                             "transformers' Trainer, torchtitan and DeepSpeed do by default at 1.0 (default 0: none)")
+
+
 EXIT_CODES = ("Exit status: 1 when a point of the run is `error` or `timeout`, or a point's parity is `fail`; "
               "0 otherwise (`oom` and `skipped` points are results, not failures); 2 for a bad suite or arguments.")
 

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from cpbench.harness.commands import (BALANCE_HELP, COMPILE_HELP, CP_PLAN_HELP, DOCUMENTS_HELP, _exit_code,
-                                      _suite_with_flags)
+                                      _suite_with_flags, add_optimizer_flags)
 
 
 def register(subparsers) -> None:
@@ -67,12 +67,7 @@ def register(subparsers) -> None:
     quick.add_argument("--norm", default="eager", choices=("eager", "fused"),
                        help="the model's RMSNorms: eager (transformers', the default) | fused (one op forward and one "
                             "backward: cpbench.use_fused_norm)")
-    quick.add_argument("--optimizer", default="foreach", choices=("foreach", "fused"),
-                       help="torch's AdamW: foreach (torch's default) | fused (AdamW(fused=True): one kernel over "
-                            "every parameter, no temporaries)")
-    quick.add_argument("--max-grad-norm", type=float, default=0.0, metavar="NORM",
-                       help="clip the gradients to this global norm before each optimizer step, as transformers' "
-                            "Trainer, torchtitan and DeepSpeed do by default at 1.0 (default 0: no clipping)")
+    add_optimizer_flags(quick, "the step")
     quick.add_argument("--offload-activations", action="store_true",
                        help="with --recompute: the recompute checkpoints in pinned host memory")
     quick.add_argument("--offload-params", action="store_true",

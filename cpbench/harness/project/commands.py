@@ -8,6 +8,8 @@ from pathlib import Path
 
 
 def register(subparsers) -> None:
+    from cpbench.harness.commands import add_optimizer_flags
+
     plan = subparsers.add_parser(
         "plan", help="the configurations that fit a model at a length on N GPUs, ranked by projected speed",
         description="Search cp size, CP style, backend and memory levers for a model at one length on a machine, "
@@ -49,12 +51,7 @@ def register(subparsers) -> None:
     plan.add_argument("--norm", default="eager", choices=("eager", "fused"),
                       help="the model's RMSNorms in every configuration searched: eager (transformers', the default) | "
                            "fused (one op each way: cpbench.use_fused_norm; less memory kept, fewer kernels)")
-    plan.add_argument("--optimizer", default="foreach", choices=("foreach", "fused"),
-                      help="torch's AdamW in every configuration searched: foreach (torch's default) | fused "
-                           "(AdamW(fused=True): one kernel, no temporaries)")
-    plan.add_argument("--max-grad-norm", type=float, default=0.0, metavar="NORM",
-                      help="every configuration searched clips its gradients to this global norm before each "
-                           "optimizer step (transformers' Trainer's default is 1.0; default 0: no clipping)")
+    add_optimizer_flags(plan, "every configuration searched")
     plan.set_defaults(func=plan_command)
 
     cal = subparsers.add_parser(
