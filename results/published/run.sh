@@ -40,8 +40,11 @@ B200_FA4=results/published/profiles/b200-fa4.toml
 # 32B rows were not run with it as shipped: PR #6846's review says the 32B result needs the parameters offloaded and the
 # MLP tiled over the sequence (its author: "lever 5 in the guide", 16,384-token tiles: 8 tiles of 131,072), and fp32
 # state of 30.5B parameters on 8 GPUs (61 GB) cannot be the 30B-A3B's 46.0 GB: both with --offload-params.
-# Gradients clipped at 1.0 before each step: transformers' TrainingArguments' max_grad_norm, which TRL's SFTConfig keeps.
+# Gradients clipped at 1.0 before each step and stepped by torch's fused AdamW: transformers' TrainingArguments'
+# max_grad_norm = 1.0 and, with torch >= 2.8, optim = "adamw_torch_fused" (default_optim), which TRL's SFTConfig and the
+# example (which sets no optim) keep; with the parameters offloaded, the fused kernel runs on the host's copies.
 TRL="--recompute --offload-activations --loss chunked --gpu h100-sxm --mixed-precision --max-grad-norm 1.0"
+TRL="$TRL --optimizer fused"
 est trl-qwen3-8b-1m --model qwen3-8b --override max_position_embeddings=1048576 --seq 1048576 --cp 8 --world-size 8 \
   --styles cp_ulysses $TRL
 est trl-qwen3-8b-1m-ring --model qwen3-8b --override max_position_embeddings=1048576 --seq 1048576 --cp 8 \
@@ -97,13 +100,15 @@ est titan-llama2-13b-a100-layer $T13 --recompute --recompute-every 2
 est titan-llama2-13b-a100-op $T13 --recompute --recompute-policy op
 
 # --- ml-engineering (stas00), HF transformers, eager, bf16, 1 sequence per GPU. DeepSpeed clips the gradients at 1.0
-# (insights/when-to-upgrade-gpus, bench_decompose.py and benchmark.py, ds_config: "gradient_clipping": 1.0).
+# (insights/when-to-upgrade-gpus, bench_decompose.py and benchmark.py, ds_config: "gradient_clipping": 1.0) and, with
+# the optimizer on the GPUs, steps them with its FusedAdam (deepspeed/runtime/engine.py, _configure_basic_optimizer):
+# one multi-tensor kernel, cpbench's --optimizer fused.
 # 8 x H200, Llama-3.1-8B at 8k, DeepSpeed ZeRO-2, FlashAttention-3, no recompute, no offload
 est mleng-h200-8b-8k --model llama-3-8b --seq 8192 --cp 1 --world-size 8 --mixed-precision --gpu "$H200_FA3" \
-  --max-grad-norm 1.0
+  --max-grad-norm 1.0 --optimizer fused
 # the same on 8 x B200, FlashAttention-4
 est mleng-b200-8b-8k-zero2 --model llama-3-8b --seq 8192 --cp 1 --world-size 8 --mixed-precision --gpu "$B200_FA4" \
-  --max-grad-norm 1.0
+  --max-grad-norm 1.0 --optimizer fused
 # the same, ZeRO-3 with the optimizer on the host, recompute, Liger: cpbench offloads the parameters too
 for seq in 8192 32768 65536 131072; do
   est "mleng-h200-8b-offload-$((seq / 1024))k" --model llama-3-8b --seq "$seq" --cp 1 --world-size 8 --mixed-precision \
