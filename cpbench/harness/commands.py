@@ -4,6 +4,7 @@ and helpers they share with `cpbench estimate` (estimate_cli.py) live here."""
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from pathlib import Path
@@ -56,9 +57,20 @@ def add_optimizer_flags(parser: argparse.ArgumentParser, scope: str) -> None:
     parser.add_argument("--optimizer", default="foreach", choices=("foreach", "fused"),
                         help=f"torch's AdamW in {scope}: foreach (torch's default) | fused (AdamW(fused=True): one "
                              "kernel over every parameter, no temporaries)")
-    parser.add_argument("--max-grad-norm", type=float, default=0.0, metavar="NORM",
+    parser.add_argument("--max-grad-norm", type=_grad_norm, default=0.0, metavar="NORM",
                         help=f"{scope} clips the gradients to this global norm before each optimizer step, as "
-                             "transformers' Trainer, torchtitan and DeepSpeed do by default at 1.0 (default 0: none)")
+                             "transformers' Trainer and torchtitan do by default at 1.0 (default 0: none)")
+
+
+def _grad_norm(text: str) -> float:
+    """A --max-grad-norm: a finite number >= 0 (argparse names the flag beside the message)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a finite number >= 0, e.g. 1.0 (0: no clipping)")
+    return value
 
 
 EXIT_CODES = ("Exit status: 1 when a point of the run is `error` or `timeout`, or a point's parity is `fail`; "

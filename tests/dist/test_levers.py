@@ -7,8 +7,9 @@
   every other matmul's outputs; the ring's and the tiled MLP's tiles recomputed whole);
 - parameter and optimizer offload (`DistributedConfig(fsdp_cpu_offload=True)`, FSDP2's CPUOffloadPolicy; on CPU it
   pins nothing, see cpbench/cp/hf_compat/__init__.py), with an optimizer step;
-- gradient clipping (`torch.nn.utils.clip_grad_norm_` on the sharded gradients: the unsharded global norm, every
-  gradient halved), then an AdamW step (the fused kernel with all levers);
+- gradient clipping (cpbench's step clips with `torch.nn.utils.clip_grad_norm_` on the sharded gradients: the
+  unsharded global norm, every gradient halved), then an AdamW step (the fused kernel, run over the shards, with all
+  levers; its values are torch's);
 - all of them together with the chunked loss and the fused RMSNorm (`cpbench.use_fused_norm`: one op each way,
   inside the tiled MLP's tiles where the norm joins them), with whole-layer recompute ("all") and with op recompute
   ("all_op").
@@ -71,8 +72,10 @@ def _errors(model, batch: dict, ref: dict, lever: str) -> dict:
     # clip_grad_norm_ over the shards (each rank's DTensor norms summed over the ranks) meets the unsharded
     # gradients' global norm and halves them all; then a fused AdamW (all levers) or the per-tensor loop steps the
     # shards, offloaded ones on the host
+    from cpbench.harness.measure.step import clip_gradients
+
     ref_norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in ref["grads"].values()])).item()
-    total = torch.nn.utils.clip_grad_norm_(model.parameters(), ref_norm / 2)
+    total = clip_gradients(list(model.parameters()), ref_norm / 2, foreach=lever not in ALL)  # both of torch's paths
     total = (total.full_tensor() if hasattr(total, "full_tensor") else total).item()
     clipped, _ = worst_grad_error(full_grads(model), {n: g / 2 for n, g in ref["grads"].items()})
     torch.optim.AdamW(model.parameters(), lr=1e-3, fused=lever in ALL).step()

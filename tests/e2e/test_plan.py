@@ -201,3 +201,18 @@ def test_plan_with_the_fused_adamw_and_clipping_searches_and_says_it():
            "loss_mode": "full", "offload_activations": False, "balance": "documents"}
     assert _model_calls(row) == ["torch.optim.AdamW(model.parameters(), fused=True)"]
     assert _model_calls({**row, "optimizer": "foreach"}) == []
+
+
+def test_plan_passes_its_optimizer_flags_to_the_search(monkeypatch):
+    from cpbench.harness.project import plan
+
+    seen = {}
+
+    def stop(opts, on_row):
+        seen["opts"] = opts
+        raise ValueError("stopped before the search")
+
+    monkeypatch.setattr(plan, "run_plan", stop)
+    args = ["plan", "--model", "tiny-llama", "--seq", "8192", "--gpus", "2", "--gpu", "h100-sxm"]
+    assert main([*args, "--optimizer", "fused", "--max-grad-norm", "0.5"]) == 2
+    assert (seen["opts"].optimizer, seen["opts"].max_grad_norm) == ("fused", 0.5)

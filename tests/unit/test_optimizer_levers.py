@@ -23,11 +23,13 @@ def _optimizer_ops(fused: bool, grad_scale: torch.Tensor | None = None) -> tuple
     if grad_scale is not None:  # what GradScaler.step hands a fused optimizer (torch/amp/grad_scaler.py)
         optimizer.grad_scale, optimizer.found_inf = grad_scale, torch.zeros(())
     trace = StepTrace()
-    hooks = trace.optimizer_hooks(optimizer)
-    with trace:
-        optimizer.step()
-    for h in hooks:
-        h.remove()
+    hooks = trace.optimizer_hooks(optimizer)  # torch's global hooks: removed whatever happens
+    try:
+        with trace:
+            optimizer.step()
+    finally:
+        for h in hooks:
+            h.remove()
     return [o for o in trace.ops if o.phase == "optimizer"], sum(p.numel() for p in model.parameters())
 
 
@@ -93,6 +95,25 @@ def test_a_clipped_step_clips_before_the_optimizer_steps():
     optimizer.step()
     clipped = torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in model.parameters()]))
     assert clipped == pytest.approx(0.5, rel=1e-4)  # clip_grad_norm_'s 1e-6 in the coefficient's denominator
+    beta1 = optimizer.defaults["betas"][0]
+    for p in model.parameters():  # the step took the clipped gradients: its first average is (1 - beta1) of them
+        torch.testing.assert_close(optimizer.state[p]["exp_avg"], (1 - beta1) * p.grad)
+
+
+def test_the_estimate_flags_reach_the_points_and_bad_norms_are_refused_naming_the_flag(capsys):
+    from cpbench.cli import build_parser
+    from cpbench.harness.estimate_cli import _quick_suite
+
+    parser = build_parser()
+    base = ["estimate", "--model", "tiny-llama", "--seq", "256", "--cp", "1"]
+    (point,) = _quick_suite(parser.parse_args([*base, "--optimizer", "fused", "--max-grad-norm", "1"])).points()
+    assert (point.optimizer, point.max_grad_norm) == ("fused", 1.0)
+    (plain,) = _quick_suite(parser.parse_args(base)).points()
+    assert (plain.optimizer, plain.max_grad_norm) == ("foreach", 0.0)
+    for bad in ("-1", "inf", "nan", "x"):
+        with pytest.raises(SystemExit):
+            parser.parse_args([*base, "--max-grad-norm", bad])
+        assert f"argument --max-grad-norm: {bad!r}: give a finite number >= 0" in capsys.readouterr().err
 
 
 def test_a_projection_prices_the_clipping_in_the_optimizer_step():
@@ -106,3 +127,18 @@ def test_a_projection_prices_the_clipping_in_the_optimizer_step():
     grads = clipped["optimizer_bytes"] / 2  # the rank's fp32 gradient shards: the size of each of AdamW's averages
     assert added[0].bytes == pytest.approx(grads, rel=0.01) and added[-1].bytes == pytest.approx(2 * grads, rel=0.01)
     assert clipped["time"]["optimizer_s"] > plain["time"]["optimizer_s"]
+
+
+def test_a_gpu_sweep_that_clips_offloaded_gradients_gives_the_host_a_backend():
+    from cpbench.harness.run.worker import backend_for
+    from cpbench.harness.suite.spec import load_suite
+
+    def points(extra: str):
+        return load_suite("t.toml", text='model = "tiny-llama"\nseq_lens = [64]\ncp_sizes = [1]\nworld_size = 2\n'
+                          'device = "cuda"\n' + extra).points()
+
+    assert backend_for("cpu", points("offload_params = true\nmax_grad_norm = 1.0\n")) == "gloo"
+    assert backend_for("cuda", points("offload_params = true\n")) == "nccl"
+    assert backend_for("cuda", points("max_grad_norm = 1.0\n")) == "nccl"
+    # clip_grad_norm_ all-reduces the norm of the host's gradients: NCCL takes CUDA tensors only
+    assert backend_for("cuda", points("offload_params = true\nmax_grad_norm = 1.0\n")) == "cuda:nccl,cpu:gloo"

@@ -121,12 +121,14 @@ def test_a_host_scalar_read_in_the_optimizer_step_is_not_a_device_sync():
     optimizer = torch.optim.AdamW(model.parameters(), foreach=True)
     model(torch.ones(2, 4)).sum().backward()
     trace = StepTrace()
-    hooks = trace.optimizer_hooks(optimizer)
-    with trace:
-        optimizer.step()  # reads each parameter's `step` count, a 0-dim host tensor on CUDA too
-        torch.ones(3).sum().item()  # a real read-back of a device value
-    for h in hooks:
-        h.remove()
+    hooks = trace.optimizer_hooks(optimizer)  # torch's global hooks: removed whatever happens
+    try:
+        with trace:
+            optimizer.step()  # reads each parameter's `step` count, a 0-dim host tensor on CUDA too
+            torch.ones(3).sum().item()  # a real read-back of a device value
+    finally:
+        for h in hooks:
+            h.remove()
     syncs = [o for o in trace.ops if o.kind == "sync"]
     assert len(syncs) == 1 and syncs[0].phase == "step"
     assert any(o.phase == "optimizer" and o.tensors > 1 for o in trace.ops)  # foreach ops take lists

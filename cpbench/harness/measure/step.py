@@ -148,10 +148,17 @@ def make_optimizer(model: torch.nn.Module, point: Point) -> torch.optim.Optimize
         params = list(model.parameters())
 
         def clip(*_) -> None:
-            torch.nn.utils.clip_grad_norm_(params, point.max_grad_norm, foreach=foreach)
+            clip_gradients(params, point.max_grad_norm, foreach)
 
         optimizer.register_step_pre_hook(clip)
     return optimizer
+
+
+def clip_gradients(params: list, max_norm: float, foreach: bool) -> torch.Tensor:
+    """Every gradient scaled so their global norm is at most `max_norm`; returns that norm before the scaling. For
+    FSDP2's DTensor gradients torch sums each rank's shards' norms over the ranks (one all-reduce), so the norm is the
+    unsharded gradients' (tests/dist/test_levers.py)."""
+    return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=foreach)
 
 
 def optimizer_phase_hooks(optimizer, enter, leave) -> list:

@@ -67,14 +67,16 @@ def step_costs(point, steps: int = 10) -> dict:
                 step.train_step(model, optimizer, batch)
             trace = StepTrace()
             hooks = trace.optimizer_hooks(optimizer) + trace.checkpoint_hooks(model)
-            with trace:  # step.train_step, its forward's ops counted apart
-                loss = step.forward(model, batch).loss
-                forward_ops = sum(o.kind not in HOST_ONLY for o in trace.ops)
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            for h in hooks:
-                h.remove()
+            try:  # the optimizer's are torch's global hooks: removed whatever the step does
+                with trace:  # step.train_step, its forward's ops counted apart
+                    loss = step.forward(model, batch).loss
+                    forward_ops = sum(o.kind not in HOST_ONLY for o in trace.ops)
+                    loss.backward()
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+            finally:
+                for h in hooks:
+                    h.remove()
             priced = [o for o in trace.ops if o.kind not in HOST_ONLY]
             costs = {"ops": sum(o.phase == "step" for o in priced), "forward_ops": forward_ops,
                      "checkpoints": sum(o.kind == "checkpoint" for o in trace.ops),

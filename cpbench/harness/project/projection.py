@@ -152,10 +152,12 @@ def project_rank(point: Point, rank: int, hardware=None, gpus_per_node: int = 8,
             trace = (StepTrace(probe.host, gpus_per_node, attention_family=family)
                      if hardware is not None or keep_trace else None)
             hooks = trace.optimizer_hooks(optimizer) + trace.checkpoint_hooks(model) if trace else []
-            comm = step.tracked_steps(point, model, optimizer, batch, probe, steps=1,  # fake steps are identical
-                                      last=[trace] if trace else [])
-            for h in hooks:
-                h.remove()
+            try:  # the optimizer's are torch's global hooks: removed whatever the step does
+                comm = step.tracked_steps(point, model, optimizer, batch, probe, steps=1,  # fake steps are identical
+                                          last=[trace] if trace else [])
+            finally:
+                for h in hooks:
+                    h.remove()
             record = {"rank": rank, "status": "ok", **probe.result(), **comm, "rss_peak_bytes": None,
                       "step_times_s": [], "num_params": num_params, "model_type": model.config.model_type,
                       "parity_mode": "off", "run_s": time.perf_counter() - t0}

@@ -153,6 +153,17 @@ def _over_budget(records: list[dict], budget: int | None) -> bool:
     return budget is not None and max(r["peak_bytes"] for r in records) > budget
 
 
+def backend_for(device_type: str, points: list[Point]) -> str:
+    """The process group's backend: gloo on the CPU, NCCL on GPUs, and gloo beside it for the host's tensors where a
+    point offloads the parameters and clips the gradients (clip_grad_norm_ then all-reduces the norm of host
+    gradients, which NCCL cannot take; torchtitan adds "cpu:gloo" with CPU offload alike,
+    torchtitan/distributed/utils.py)."""
+    if device_type != "cuda":
+        return "gloo"
+    host = any(p.offload_params and p.max_grad_norm for p in points)
+    return "cuda:nccl,cpu:gloo" if host else "nccl"
+
+
 def run_points(points: list[Point], records_dir: Path, *, budget: int | None, cache_dir: Path) -> None:
     """Every rank calls this with the same points. Longer points of an out-of-memory family are not run."""
     rank, world, local_rank = rank_env()
@@ -161,7 +172,7 @@ def run_points(points: list[Point], records_dir: Path, *, budget: int | None, ca
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         # A long timeout: rank 0 computes the parity reference while its peers wait; hangs are the launcher's job.
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(hours=2))
+        dist.init_process_group(backend_for(device.type, points), timeout=datetime.timedelta(hours=2))
     records_dir.mkdir(parents=True, exist_ok=True)
     oom_families: set[str] = set()
     for point in points:

@@ -7,6 +7,7 @@ Each check takes the `spec.Suite` being validated (spec imports this module, so 
 
 from __future__ import annotations
 
+import math
 import re
 
 from cpbench.harness.suite import documents, grid_checks, levers
@@ -158,8 +159,8 @@ _SCALARS = {  # field -> (check, what to write)
     "mixed_precision": (lambda v: isinstance(v, bool), "true or false"),
     "norm": (lambda v: isinstance(v, str), 'a string, e.g. norm = "fused"'),
     "optimizer": (lambda v: isinstance(v, str), 'a string, e.g. optimizer = "fused"'),
-    "max_grad_norm": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0,
-                      "a number >= 0, e.g. max_grad_norm = 1.0 (0: no clipping)"),
+    "max_grad_norm": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                      and v >= 0, "a finite number >= 0, e.g. max_grad_norm = 1.0 (0: no clipping)"),
     "parity": (lambda v: isinstance(v, str), 'a string, e.g. parity = "auto"'),
     "reference": (lambda v: isinstance(v, str), 'a string, e.g. reference = "sharded"'),
     "timeout_s": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number of seconds"),

@@ -1,7 +1,7 @@
 """The levers of a suite, checked: recompute (every layer or every n-th; whole layers or op by op), activation
 offload (the recompute checkpoints in host memory), parameter and optimizer offload (FSDP2's CPUOffloadPolicy), the
-sequence-tiled MLP, the fused norm, the fused AdamW and torch.compile of each decoder layer. Each error names the field, the value and
-the fix; every one is reported (suite_errors.py)."""
+sequence-tiled MLP, the fused norm, the fused AdamW and torch.compile of each decoder layer. Each error names the
+field, the value and the fix; every one is reported (suite_errors.py)."""
 
 from __future__ import annotations
 

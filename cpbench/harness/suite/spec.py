@@ -59,7 +59,7 @@ class Suite:
     # or "fused" (AdamW(fused=True): one kernel over every parameter, no temporaries; step.make_optimizer)
     optimizer: str = "foreach"
     # > 0: every step clips the gradients' global norm to it before the optimizer step (torch.nn.utils.clip_grad_norm_,
-    # as transformers' Trainer, torchtitan and DeepSpeed do by default at 1.0); 0: no clipping (Trainer's "off")
+    # as transformers' Trainer and torchtitan do by default at 1.0); 0: no clipping (Trainer's "off")
     max_grad_norm: float = 0.0
     tiled_mlp: bool | int | str = False  # true / "auto" / a tile count: each layer's MLP over tiles of the sequence
     # FSDP2's mixed precision: fp32 weights, gradients and optimizer state (the master copy), compute in `dtype`
