@@ -142,3 +142,14 @@ def test_a_gpu_sweep_that_clips_offloaded_gradients_gives_the_host_a_backend():
     assert backend_for("cuda", points("max_grad_norm = 1.0\n")) == "nccl"
     # clip_grad_norm_ all-reduces the norm of the host's gradients: NCCL takes CUDA tensors only
     assert backend_for("cuda", points("offload_params = true\nmax_grad_norm = 1.0\n")) == "cuda:nccl,cpu:gloo"
+
+
+def test_with_the_parameters_offloaded_the_clip_runs_in_the_host_phase():
+    # the host's phase (host.py) opens at torch's global pre-hook, before make_optimizer's clip: the gradients' norms
+    # and their scaling are host work, priced at host memory, not kernels (a clip outside the phase would be kernels)
+    r = _project("foreach", world=2, keep_trace=True,
+                 extra="mixed_precision = true\noffload_params = true\nmax_grad_norm = 1.0\n")
+    clip = [o for o in r["trace"] if o.name in ("aten.linalg_vector_norm", "aten._foreach_norm", "aten.mul_",
+                                               "aten._foreach_mul_") and o.phase == "optimizer"]
+    assert len(clip) > 20 and all(o.stream == "host" for o in clip)
+    assert not any(o.phase == "step" and o.name == "aten.linalg_vector_norm" for o in r["trace"])
