@@ -1,8 +1,8 @@
-"""The optimizer step's levers as a step runs them and a projection sees them (trace.py). The fused AdamW (`optimizer
-= "fused"`): one kernel over every parameter that moves each one's four fp32 values in and three out, its gradients
-written only when it unscales them (ATen's FusedAdamMathFunctor), against the nine multi-tensor kernels and the
-temporaries of torch's foreach AdamW. Gradient clipping (`max_grad_norm`): clip_grad_norm_ before each step, inside
-the step's share of the trace."""
+"""The optimizer step's levers as a step runs them and a projection sees them (trace.py, work.py). The fused AdamW
+(`optimizer = "fused"`): one kernel over every parameter that moves each one's four fp32 values in and three out, its
+gradients written only when it unscales them (ATen's FusedAdamMathFunctor), against the nine multi-tensor kernels and
+the temporaries of torch's foreach AdamW. Gradient clipping (`max_grad_norm`): clip_grad_norm_ before each step,
+inside the step's share of the trace."""
 
 from __future__ import annotations
 

@@ -62,7 +62,6 @@ _FREE = {"aten.detach", "aten.alias", "aten.empty", "aten.empty_like", "aten.emp
          "aten.new_empty_strided", "aten.lift_fresh", "aten.set_", "aten.resize_", "aten.record_stream",
          "aten._unsafe_view", "aten.view", "aten._reshape_alias", "aten.t", "aten.sym_size", "aten.sym_stride",
          "aten.sym_numel", "aten.is_same_size", "aten.sym_storage_offset", "aten._has_compatible_shallow_copy_type"}
-FUSED_ADAM = {"aten::_fused_adam_", "aten::_fused_adamw_"}  # torch's fused Adam(W): one kernel, every tensor
 _SYNC = {"aten._local_scalar_dense", "aten.nonzero", "aten.item", "aten.equal", "aten.is_nonzero"}
 
 
@@ -218,7 +217,7 @@ class StepTrace(TorchDispatchMode):
         else:
             stream = "host" if self._on_host() else "compute"
         reads = tuple({self._key(t) for t in inputs})
-        written = outputs + _mutated(func, args, kwargs)
+        written = outputs + work.mutated(func, args, kwargs)
         writes = tuple({self._key(t) for t in written})
         shape = ()
         if name == "fsdp.split_with_sizes_copy":
@@ -242,7 +241,7 @@ class StepTrace(TorchDispatchMode):
             self._onto_copy_in_stream(_tensors(args[0]))
         self.ops.append(Op(stream, kind, self.phase, float(flops), float(moved), reads, writes, name=name,
                            shape=shape + (work.tensor_bytes(outputs[0]),) if kind == "gemm" and outputs else shape,
-                           tensors=len(inputs), strided=kind == "memory" and _strided(inputs, written),
+                           tensors=len(inputs), strided=kind == "memory" and work.strided(inputs, written),
                            backward=backward, selective=under_op_policy()))
         for key in writes:
             self._stream_of[key] = stream
@@ -291,51 +290,6 @@ def _in_backward() -> bool:
     """Whether autograd's engine is running a backward pass here (its graph task: the backward's own ops, a
     recomputed layer's replay, the hooks it runs)."""
     return torch._C._current_graph_task_id() != -1
-
-
-def _mutated(func, args, kwargs) -> list[torch.Tensor]:
-    """The tensors an op writes in place, by its schema (`Tensor(a!)`): `self` of an in-place op, an `out=` tensor,
-    and the lists of an in-place foreach op, which returns nothing (AdamW's `_foreach_lerp_` writes its averages,
-    `_foreach_addcdiv_` the parameters; FSDP2's `split_with_sizes_copy` its `out=` list). The fused Adam(W) kernel's
-    schema marks its gradients written, but it writes them only to unscale them, when given a `grad_scale`
-    (ATen/native/cuda/fused_adam_utils.cuh, FusedAdamMathFunctor: it "writes out gradients only when
-    `grad_scale_ptr != nullptr`")."""
-    schema = getattr(func, "_schema", None)
-    mutated = []
-    unscaled = schema is not None and schema.name in FUSED_ADAM and (kwargs or {}).get("grad_scale") is None
-    for i, a in enumerate(schema.arguments if schema is not None else ()):
-        if unscaled and a.name == "grads":
-            continue
-        if a.alias_info is not None and a.alias_info.is_write:
-            mutated += _tensors(kwargs[a.name] if kwargs and a.name in kwargs else args[i] if i < len(args) else None)
-    return mutated
-
-
-def _strided(inputs: list[torch.Tensor], written: list[torch.Tensor]) -> bool:
-    """Whether an element-wise kernel runs unvectorized. torch's CUDA loop vectorizes its loads only when the
-    iterator is contiguous (ATen/native/cuda/CUDALoops.cuh, gpu_kernel_impl: launch_vectorized_kernel, else
-    launch_legacy_kernel with offset calculators), after TensorIterator has ordered the dims by the operands' memory
-    layout, so a transposed tensor whose result is laid out alike runs vectorized. It does not where an operand is a
-    view with gaps (a chunk or slice along an inner dim: not non-overlapping and dense) or is laid out in another
-    order than the result (a transpose copied contiguous). A broadcast operand (a zero stride, or a smaller shape: a
-    norm's weight, a row's statistic) is left out: the published add + RMSNorm timings, whose multiplies broadcast,
-    run at the contiguous figure (elementwise.py)."""
-    def order(t):  # the dims from outermost to innermost in memory, size-1 dims left out
-        return tuple(sorted((d for d in range(t.dim()) if t.shape[d] > 1), key=lambda d: -t.stride(d)))
-
-    def dense(t):  # its elements fill one block of memory, in some order of its dims
-        step = 1
-        for d in reversed(order(t)):
-            if t.stride(d) != step:
-                return False
-            step *= t.shape[d]
-        return True
-
-    full = [t for t in inputs + written if t.dim() > 0 and t.numel() > 1 and 0 not in t.stride()]
-    if not all(dense(t) for t in full):
-        return True
-    out = written[0] if written else None
-    return out is not None and any(t.shape == out.shape and order(t) != order(out) for t in full)
 
 
 def _arg(func, args, kwargs, name: str):

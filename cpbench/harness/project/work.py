@@ -80,6 +80,7 @@ GATHER = {"aten.embedding", "aten.index_select", "aten.gather", "aten.index"}
 SCATTER = {"aten.index_put_", "aten._index_put_impl_", "aten.index_add_", "aten.index_copy_", "aten.scatter_",
            "aten.scatter_add_", "aten.scatter_reduce_", "aten.masked_scatter_"}
 _ACCUMULATE = {"aten.index_add_", "aten.scatter_add_", "aten.scatter_reduce_"}  # index_put_, scatter_ by argument
+FUSED_ADAM = {"aten::_fused_adam_", "aten::_fused_adamw_"}  # torch's fused Adam(W): one kernel, every tensor
 # Under a dispatch mode autograd takes its tensor-subclass-safe backward, the out-of-place forms into fresh zeros
 # (the backward of x[ids], index_select, gather); eager CUDA autograd puts in place into them: priced so in backward
 IN_PLACE_OF = {"aten.index_put": "aten.index_put_", "aten.index_add": "aten.index_add_",
@@ -94,7 +95,7 @@ def tensor_bytes(t: torch.Tensor) -> int:
 
 def moved_bytes(name: str, args, kwargs, inputs: list, outputs: list, backward: bool = False) -> int:
     """Bytes read plus bytes written; each distinct tensor counts once per direction. `outputs`: what the op writes,
-    its results and what it writes in place (trace._mutated: an in-place foreach op returns nothing). `backward`:
+    its results and what it writes in place (`mutated`: an in-place foreach op returns nothing). `backward`:
     the op runs in autograd's backward (IN_PLACE_OF)."""
     skip = {id(t) for t in _flat((kwargs or {}).get("out"))}
     if name in WRITE_ONLY and args:
@@ -261,3 +262,48 @@ def _grouped(a: torch.Tensor, b: torch.Tensor, groups: int) -> tuple[float, tupl
         return 2.0 * m * k * n, (m, max(1, n // groups), k, groups)
     groups, m, k = a.shape
     return 2.0 * groups * m * k * b.shape[-1], (m, b.shape[-1], k, groups)
+
+
+def mutated(func, args, kwargs) -> list[torch.Tensor]:
+    """The tensors an op writes in place, by its schema (`Tensor(a!)`): `self` of an in-place op, an `out=` tensor,
+    and the lists of an in-place foreach op, which returns nothing (AdamW's `_foreach_lerp_` writes its averages,
+    `_foreach_addcdiv_` the parameters; FSDP2's `split_with_sizes_copy` its `out=` list). The fused Adam(W) kernel's
+    schema marks its gradients written, but it writes them only to unscale them, when given a `grad_scale`
+    (ATen/native/cuda/fused_adam_utils.cuh, FusedAdamMathFunctor: it "writes out gradients only when
+    `grad_scale_ptr != nullptr`")."""
+    schema = getattr(func, "_schema", None)
+    out = []
+    unscaled = schema is not None and schema.name in FUSED_ADAM and (kwargs or {}).get("grad_scale") is None
+    for i, a in enumerate(schema.arguments if schema is not None else ()):
+        if unscaled and a.name == "grads":
+            continue
+        if a.alias_info is not None and a.alias_info.is_write:
+            out += _flat(kwargs[a.name] if kwargs and a.name in kwargs else args[i] if i < len(args) else None)
+    return out
+
+
+def strided(inputs: list[torch.Tensor], written: list[torch.Tensor]) -> bool:
+    """Whether an element-wise kernel runs unvectorized. torch's CUDA loop vectorizes its loads only when the
+    iterator is contiguous (ATen/native/cuda/CUDALoops.cuh, gpu_kernel_impl: launch_vectorized_kernel, else
+    launch_legacy_kernel with offset calculators), after TensorIterator has ordered the dims by the operands' memory
+    layout, so a transposed tensor whose result is laid out alike runs vectorized. It does not where an operand is a
+    view with gaps (a chunk or slice along an inner dim: not non-overlapping and dense) or is laid out in another
+    order than the result (a transpose copied contiguous). A broadcast operand (a zero stride, or a smaller shape: a
+    norm's weight, a row's statistic) is left out: the published add + RMSNorm timings, whose multiplies broadcast,
+    run at the contiguous figure (elementwise.py)."""
+    def order(t):  # the dims from outermost to innermost in memory, size-1 dims left out
+        return tuple(sorted((d for d in range(t.dim()) if t.shape[d] > 1), key=lambda d: -t.stride(d)))
+
+    def dense(t):  # its elements fill one block of memory, in some order of its dims
+        step = 1
+        for d in reversed(order(t)):
+            if t.stride(d) != step:
+                return False
+            step *= t.shape[d]
+        return True
+
+    full = [t for t in inputs + written if t.dim() > 0 and t.numel() > 1 and 0 not in t.stride()]
+    if not all(dense(t) for t in full):
+        return True
+    out = written[0] if written else None
+    return out is not None and any(t.shape == out.shape and order(t) != order(out) for t in full)
