@@ -239,6 +239,32 @@ def test_advanced_indexing_and_scatters_touch_the_rows_they_pick_or_put():
     assert _bytes_of(lambda: small.index_add_(0, low, rows)) == 2 * 2 * 8 * 4 + 24 + row_bytes
 
 
+def test_the_cuda_softmax_reads_rows_that_fit_no_on_chip_copy_as_its_kernels_do():
+    # ATen/native/cuda/SoftMax.cu: a vocabulary-wide fp32 row (128,256) fits neither registers nor the 48 KiB of a
+    # block's shared memory, so cunn_SoftMaxForward reads it three times (max, sum, output) and cunn_SoftMaxBackward
+    # its gradient twice; a 10,240-wide row fits shared memory (read once), a 4,096-wide one registers
+    def traced(width, fn):
+        x = torch.zeros(2, width, requires_grad=True)
+        with StepTrace() as trace:
+            y = fn(x)
+            y.backward(torch.ones_like(y))  # a whole gradient, as the loss's backward hands it (not sum's expanded one)
+        return {o.name: o.bytes for o in trace.ops}, 2 * width * 4
+
+    for width, forward_reads, backward_reads in ((128256, 3, 2), (12288, 3, 2), (10240, 1, 1), (4096, 1, 1)):
+        ops, row = traced(width, lambda x: torch.log_softmax(x, -1))
+        assert ops["aten._log_softmax"] == (forward_reads + 1) * row, width  # and the output written once
+        assert ops["aten._log_softmax_backward_data"] == (backward_reads + 2) * row, width  # the output read, dx
+    # softmax's backward multiplies the gradient by the output in a kernel of its own first, then reads the product
+    ops, row = traced(128256, lambda x: torch.softmax(x, -1))
+    assert ops["aten._softmax_backward_data"] == (3 + 2 + 2) * row
+    ops, row = traced(4096, lambda x: torch.softmax(x, -1))
+    assert ops["aten._softmax_backward_data"] == (3 + 3) * row
+    # a softmax over an inner dim runs the spatial kernel, one pass; an empty one moves nothing more
+    x = torch.zeros(4, 20000, 3)
+    assert work.softmax_rereads("aten._softmax", (x, 1, False)) == 0
+    assert work.softmax_rereads("aten._softmax", (torch.zeros(0, 20000), 1, False)) == 0
+
+
 def test_a_scatter_counts_the_elements_it_puts_whatever_its_values_or_mask_hold():
     table, ids = torch.ones(1000, 8), torch.tensor([3, 5, 7])
     # one index entry from a 1,000-row source: one element read and written, the index's 8 bytes

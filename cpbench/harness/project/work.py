@@ -88,6 +88,47 @@ IN_PLACE_OF = {"aten.index_put": "aten.index_put_", "aten.index_add": "aten.inde
                "aten.index_copy": "aten.index_copy_", "aten.scatter_reduce": "aten.scatter_reduce_"}
 
 
+# torch's CUDA softmax over rows (ATen/native/cuda/SoftMax.cu) reads a row more than once where the row fits neither
+# the warp-per-row kernel, nor registers, nor a block's 48 KiB of shared memory (cudaDeviceProp.sharedMemPerBlock):
+# cunn_SoftMaxForward reads it for its max, for its sum of exponentials and for the output; cunn_SoftMaxBackward
+# reads the gradient for the row's sum and again for the result. A vocabulary's logits are such rows.
+SOFTMAX = {"aten._softmax", "aten._log_softmax", "aten._softmax_backward_data", "aten._log_softmax_backward_data"}
+_SMEM_PER_BLOCK = 48 * 1024
+
+
+def softmax_rereads(name: str, args) -> int:
+    """The bytes torch's CUDA softmax kernels read beyond each tensor once (host_softmax: `_softmax(self, dim,
+    half_to_float)`; host_softmax_backward: `_softmax_backward_data(grad, output, dim, input_dtype)`), and the
+    `grad * output` kernel softmax's backward runs first (softmax_backward_cuda_out), whose product it then reads."""
+    x = args[0] if name in SOFTMAX and args and isinstance(args[0], torch.Tensor) else None
+    if x is None or x.numel() == 0:
+        return 0
+    backward = name.endswith("_backward_data")
+    dim = (args[2] if backward else args[1]) % max(x.dim(), 1)
+    if math.prod(x.shape[dim + 1:]) != 1:
+        return 0  # cunn_SpatialSoftMax*: a row strided across the inner dims, read once
+    size = x.shape[dim] if x.dim() else 1
+    product = 2 * tensor_bytes(x) + tensor_bytes(args[1]) if name == "aten._softmax_backward_data" else 0
+    item = args[3].itemsize if backward else x.element_size()  # scalar_t: the input's dtype
+    to_float = x.dtype != args[3] if backward else bool(args[2])
+    rows = 1024 if backward or to_float else 2048  # dispatch_softmax_forward / _backward: a warp per row
+    if size <= rows and size * item <= rows * 4:
+        return product
+    ilp = 16 // x.element_size()  # float4 loads
+    if backward:  # dispatch_host_softmax_backward, SoftMax_getBlockSize(ILP, dim_size): a power of two, >= a warp
+        threads, most = 1, min(size // ilp, 1024) // (2 if ilp > 1 else 1)
+        while threads < most:
+            threads *= 2
+        threads = max(threads, 32)
+    else:  # SoftMaxForward_getBlockSize: the row's length, at most 1024, up to a whole warp
+        threads = -(-min(size, 1024) // 32) * 32
+        if not to_float and -(-size // threads) < 10:
+            return product  # cunn_SoftMaxForwardReg: the row held in registers
+    if size < (_SMEM_PER_BLOCK - threads // 32 * 4) // x.element_size() and size % ilp == 0:
+        return product  # cunn_SoftMax*Smem: the row read once into shared memory
+    return product + tensor_bytes(x) * (1 if backward else 2)
+
+
 def tensor_bytes(t: torch.Tensor) -> int:
     """The bytes a kernel touches reading or writing `t`: a stride-0 (expanded) dimension is one element wide."""
     return math.prod(s for s, st in zip(t.shape, t.stride()) if st != 0) * t.element_size() if t.numel() else 0
@@ -120,7 +161,8 @@ def moved_bytes(name: str, args, kwargs, inputs: list, outputs: list, backward: 
             picked += min(tensor_bytes(values), elements * values.element_size())
     read = {id(t): t for t in inputs if id(t) not in skip}
     written = {id(t): t for t in outputs}
-    return picked + sum(map(tensor_bytes, read.values())) + sum(map(tensor_bytes, written.values()))
+    return (picked + sum(map(tensor_bytes, read.values())) + sum(map(tensor_bytes, written.values()))
+            + softmax_rereads(name, args))
 
 
 def _put_elements(name: str, target: torch.Tensor, args) -> tuple[int, torch.Tensor | None]:
