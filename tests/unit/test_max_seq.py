@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cpbench.harness.project.max_seq import search
+from cpbench.harness.project.estimate import search
 from cpbench.harness.suite.spec import load_suite
 
 TEMPLATE = load_suite("t.toml", text='model = "tiny-qwen3"\nseq_lens = [1000]\n').points()[0]

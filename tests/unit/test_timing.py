@@ -11,7 +11,7 @@ import torch
 from cpbench.harness.project import hardware
 from cpbench.harness.project.timing import BREAKDOWN, collective_seconds, host_seconds, op_seconds, simulate
 from cpbench.harness.project.trace import Op
-from cpbench.harness.project.work import attention, causal_pairs
+from cpbench.harness.project.flops import attention, causal_pairs
 
 
 def attention_flops(name, args):
@@ -288,7 +288,7 @@ def test_a_models_own_sdpa_call_is_priced_as_the_kernel_sdpa_picks_on_the_gpu():
 
 def test_every_attention_kind_the_trace_makes_has_an_efficiency_on_every_sdpa_kernel():
     from cpbench.harness.project.timing import efficiency_key
-    from cpbench.harness.project.work import ATTENTION
+    from cpbench.harness.project.flops import ATTENTION
 
     kinds = {f"attention{spec.family}_{spec.direction}" for spec in ATTENTION.values()}
     kinds |= {f"attention_sdpa_{d}" for d in ("forward", "backward")}

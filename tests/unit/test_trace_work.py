@@ -1,4 +1,4 @@
-"""What the op trace counts for one kernel call (work.py, trace.py): the causal flag read where each kernel's
+"""What the op trace counts for one kernel call (flops.py, work.py, trace.py): the causal flag read where each kernel's
 schema has it, each kernel's causal alignment, grouped and MLA shapes, and the bytes an op really moves."""
 
 from __future__ import annotations
@@ -8,13 +8,14 @@ import warnings
 import pytest
 import torch
 
+from cpbench.harness.project import flops as kernel_flops
 from cpbench.harness.project import work
 from cpbench.harness.project.trace import StepTrace
 
 
 def test_every_aten_attention_kernel_reads_its_causal_flag_where_its_schema_puts_it():
     # the cuDNN backward's is_causal is argument 14 (its cum_seq / max_q / max_k arguments come before it), not 9
-    for name, spec in work.ATTENTION.items():
+    for name, spec in kernel_flops.ATTENTION.items():
         if not name.startswith("aten."):
             continue  # flash-attn's ops: not installed here; their positions are cpbench/cp/ring/flash.py's calls
         schema = getattr(torch.ops.aten, name.split(".", 1)[1]).default._schema
@@ -31,47 +32,48 @@ def _bhsd(batch=1, heads=2, seq=4, dim=8):
 def test_the_cudnn_backward_counts_causal_pairs_from_its_own_flag():
     q = _bhsd()
     args = [q, q, q, q, q, q, None, None, None, None, None, 4, 4, 0.0, True]  # grad_out, q, k, v, out, lse, ...
-    causal, _ = work.attention("aten._scaled_dot_product_cudnn_attention_backward", tuple(args))
+    causal, _ = kernel_flops.attention("aten._scaled_dot_product_cudnn_attention_backward", tuple(args))
     args[14] = False
-    full, _ = work.attention("aten._scaled_dot_product_cudnn_attention_backward", tuple(args))
+    full, _ = kernel_flops.attention("aten._scaled_dot_product_cudnn_attention_backward", tuple(args))
     assert causal == 2.5 * 4 * 10 * 2 * 8 and full == 2.5 * 4 * 16 * 2 * 8
 
 
 def test_the_memory_efficient_kernel_counts_its_causal_mask_types():
     t = torch.empty(1, 4, 2, 8, device="meta")  # [batch, seq, heads, dim]
     args = [t, t, t, None, None, None, None, None, 0.0, 0]
-    none = work.attention("aten._efficient_attention_forward", tuple(args))[0]
+    none = kernel_flops.attention("aten._efficient_attention_forward", tuple(args))[0]
     args[9] = 1  # causal from the top left
-    top_left = work.attention("aten._efficient_attention_forward", tuple(args))[0]
+    top_left = kernel_flops.attention("aten._efficient_attention_forward", tuple(args))[0]
     assert none == 4 * 16 * 2 * 8 and top_left == 4 * 10 * 2 * 8
     q = torch.empty(1, 2, 2, 8, device="meta")  # 2 queries over 4 keys from the bottom right: 3 + 4 pairs
     args = [q, t, t, None, None, None, None, None, 0.0, 2]
-    assert work.attention("aten._efficient_attention_forward", tuple(args))[0] == 4 * 7 * 2 * 8
+    assert kernel_flops.attention("aten._efficient_attention_forward", tuple(args))[0] == 4 * 7 * 2 * 8
 
 
 def test_flash_kernels_count_non_square_causal_calls_from_the_bottom_right():
     q, k = torch.empty(1, 2, 2, 8, device="meta"), torch.empty(1, 4, 2, 8, device="meta")
     args = (q, k, k, None, None, 2, 4, 0.0, True)
-    assert work.attention("aten._flash_attention_forward", args)[0] == 4 * (3 + 4) * 2 * 8
+    assert kernel_flops.attention("aten._flash_attention_forward", args)[0] == 4 * (3 + 4) * 2 * 8
     fa = (q, k, k, 0.0, 1.0, True)  # flash-attn's _flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal)
-    assert work.attention("flash_attn._flash_attn_forward", fa)[0] == 4 * 7 * 2 * 8
+    assert kernel_flops.attention("flash_attn._flash_attn_forward", fa)[0] == 4 * 7 * 2 * 8
     # flash-attn's backward: causal is argument 11 (after dq, dk, dv, dropout_p, softmax_scale)
     bwd = (q, q, k, k, q, None, q, k, k, 0.0, 1.0, True)
-    assert work.attention("flash_attn._flash_attn_backward", bwd)[0] == 2.5 * 4 * 7 * 2 * 8
+    assert kernel_flops.attention("flash_attn._flash_attn_backward", bwd)[0] == 2.5 * 4 * 7 * 2 * 8
 
 
 def test_attention_with_a_value_head_unlike_the_query_head_counts_both():
     q, v = _bhsd(dim=192), _bhsd(dim=128)  # multi-head latent attention: qk 192, v 128
-    flops, shape = work.attention("aten._scaled_dot_product_cudnn_attention", (q, q, v, None, False, 0.0, False))
+    call = (q, q, v, None, False, 0.0, False)
+    flops, shape = kernel_flops.attention("aten._scaled_dot_product_cudnn_attention", call)
     assert flops == 2 * 16 * 2 * (192 + 128) and shape == (4, 4, 192, False, 2)
 
 
 def test_grouped_gemms_count_every_group_once():
     x, w, offs = torch.empty(96, 16, device="meta"), torch.empty(8, 16, 32, device="meta"), torch.empty(8)
-    flops, shape = work.gemm("aten._grouped_mm", (x, w, offs))
+    flops, shape = kernel_flops.gemm("aten._grouped_mm", (x, w, offs))
     assert flops == 2 * 96 * 16 * 32 and shape == (12, 32, 16, 8)  # 96 token rows over 8 experts
     # the weight gradient: x^T [16, 96] with grad [96, 32], the contraction grouped: 8 outputs of [16, 32]
-    flops, shape = work.gemm("aten._grouped_mm", (torch.empty(16, 96, device="meta"),
+    flops, shape = kernel_flops.gemm("aten._grouped_mm", (torch.empty(16, 96, device="meta"),
                                                   torch.empty(96, 32, device="meta"), offs))
     assert flops == 2 * 16 * 96 * 32 and shape == (16, 32, 12, 8)
 
@@ -158,7 +160,7 @@ def test_a_varlen_calls_known_offsets_are_read_without_an_op_per_document():
         t = torch.empty(offsets[-1], 2, 8)  # [tokens, heads, dim]
         args = (t, t, t, cu_q, cu_k, 9, 9, 0.0, 1.0, True)  # flash-attn's varlen forward: causal is argument 9
         with Count():
-            flops, _ = work.attention("flash_attn._flash_attn_varlen_forward", args)
+            flops, _ = kernel_flops.attention("flash_attn._flash_attn_varlen_forward", args)
     assert flops == 4 * sum(n * (n + 1) // 2 for n in lengths) * 2 * 8  # each document causal on its own
     assert Count.n == 0
 
@@ -263,6 +265,19 @@ def test_the_cuda_softmax_reads_rows_that_fit_no_on_chip_copy_as_its_kernels_do(
     x = torch.zeros(4, 20000, 3)
     assert work.softmax_rereads("aten._softmax", (x, 1, False)) == 0
     assert work.softmax_rereads("aten._softmax", (torch.zeros(0, 20000), 1, False)) == 0
+
+
+def test_the_nll_loss_touches_one_log_probability_a_row_and_zeroes_its_whole_gradient():
+    # ATen/native/cuda/Loss.cu: the forward reads each row's target element, not the 128,256 beside it; the backward
+    # zeroes grad_input whole, then writes each row's element; neither reads the log-probabilities' other elements
+    rows, vocab = 16, 128256
+    x, target = torch.zeros(rows, vocab, requires_grad=True), torch.randint(0, vocab, (rows,))
+    with StepTrace() as trace:
+        torch.nn.functional.cross_entropy(x, target).backward()
+    ops = {o.name: o.bytes for o in trace.ops}
+    picked, indices = rows * 4, rows * 8
+    assert ops["aten.nll_loss_forward"] == indices + picked + 4 + 4  # the loss and its total weight written
+    assert ops["aten.nll_loss_backward"] == 4 + indices + 4 + picked + rows * vocab * 4  # the zeroed gradient
 
 
 def test_a_scatter_counts_the_elements_it_puts_whatever_its_values_or_mask_hold():

@@ -1,5 +1,5 @@
 """How fast one kernel call runs for its shape: the fraction of a kernel class's efficiency (the GPU profile's, at
-the class's reference shape) that a call of another shape reaches. Shapes come from the trace (work.py).
+the class's reference shape) that a call of another shape reaches. Shapes come from the trace (flops.py).
 
 GEMM: on Hopper and Blackwell, a measured table by shape (gemm_tables.json: OpenXLA's matmul performance tables,
 bf16 GEMM throughput on an H100 and a B200 for b in {1, 2, 4} and m, n, k from 256 to 4096), read in log space
@@ -132,7 +132,7 @@ def architecture(hw) -> str:
 
 
 def attention_factor(kernel: str, direction: str, shape: tuple, hw) -> float:
-    """The fraction of the kernel class's reference efficiency a call of `shape` reaches (work.attention's shape:
+    """The fraction of the kernel class's reference efficiency a call of `shape` reaches (flops.attention's shape:
     queries, keys, head dim, causal, batch x heads)."""
     if len(shape) < 5 or hw.capability is None:  # no shape recorded, or not a GPU: the curves are GPU kernels'
         return 1.0

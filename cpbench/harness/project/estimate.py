@@ -4,8 +4,13 @@ Every row is `measurement = "projected"`: status `ok`, `oom` when the projected 
 (`--device-memory`, else the suite's `memory_budget`) or a node's ranks together hold more host memory than
 `--host-memory` (`status_detail` says which side, by how much), `skipped` with why (a backend whose kernels cannot
 run on fake tensors, a longer length of a configuration already out of memory), or `error` with the message: one point
-that fails is recorded and the others go on. `--max-seq` searches, per configuration, the largest length that
-fits (max_seq.py).
+that fails is recorded and the others go on.
+
+`--max-seq`: per configuration (cp size, style, backend, ...), the largest length whose projected per-rank peak fits,
+to a granularity of tokens (`chains`, `search`): from the suite's shortest length (rounded up to the granularity) the
+length doubles until a projection runs out of memory or reaches the model's max_position_embeddings, then bisects
+between the longest length that fit and the shortest that did not. Every length tried is a row of the run, so the
+table and the largest-fit plot show the search; `report.derive.largest_fit` reads the answer off them.
 
 Each configuration (the points that differ only in length) is a chain: its next length waits for the verdict on
 the one before. Chains run side by side, one (point, rank) projection per worker process, so the cores of the
@@ -28,6 +33,7 @@ from cpbench.harness.project.projection import project_rank, projected_ranks, st
 from cpbench.harness.run import rows
 from cpbench.harness.run.skips import SkipRules
 from cpbench.harness.run.sweep import pick_run_dir, writing
+from cpbench.harness.suite.presets import get_preset
 from cpbench.harness.suite.spec import Point, Suite
 from cpbench.harness.suite.suites import resolve_suite
 from cpbench.report.runs import store
@@ -124,14 +130,12 @@ def run_estimate(opts: EstimateOptions, on_row=None) -> Path:
     with writing(run_dir, opts.run, False, opts.wait, "estimate"):
         estimator = Estimator(run_dir, suite, capacity, on_row, host_capacity, opts.gpus_per_node, hardware)
         if opts.max_seq:
-            from cpbench.harness.project.max_seq import chains
-
             run_chains(estimator, chains(suite, opts.granularity), jobs)
         else:
-            families: dict[str, list[Point]] = {}
+            by_config: dict[str, list[Point]] = {}
             for p in suite.points():
-                families.setdefault(p.family_key, []).append(p)
-            run_chains(estimator, [in_order(points) for points in families.values()], jobs)
+                by_config.setdefault(p.family_key, []).append(p)
+            run_chains(estimator, [in_order(points) for points in by_config.values()], jobs)
     return run_dir
 
 
@@ -196,3 +200,55 @@ def _advance(estimator: Estimator, pool, chain, row, running: dict, started: dic
                 running[pool.submit(_project, point.to_dict(), rank, estimator.hardware,
                                     estimator.ctx["gpus_per_node"])] = (chain, point, rank)
             return
+
+
+def families(points: list[Point]) -> list[Point]:
+    """One point per configuration (its shortest length), in suite order."""
+    seen: dict[str, Point] = {}
+    for p in points:
+        if p.family_key not in seen or p.seq_len < seen[p.family_key].seq_len:
+            seen[p.family_key] = p
+    return list(seen.values())
+
+
+def chains(suite, granularity: int) -> list:
+    """One search per configuration of the suite (see estimate.run_chains for how chains run)."""
+    if not isinstance(granularity, int) or granularity < 1:
+        raise ValueError(f"--granularity {granularity}: give a positive number of tokens, e.g. 1024.")
+    out = []
+    for template in families(suite.points()):
+        config = get_preset(template.preset).config(template.model_overrides)
+        limit = config.max_position_embeddings // granularity * granularity
+        if limit < granularity:
+            raise ValueError(f"--granularity {granularity} is longer than {template.model}'s "
+                             f"max_position_embeddings ({config.max_position_embeddings}).")
+        out.append(search(template, granularity, limit))
+    return out
+
+
+def search(template: Point, g: int, limit: int):
+    """Yields the lengths to project (as points), is sent each one's row; ends with the largest that fits."""
+
+    def fits(row: dict) -> bool | None:
+        return {"ok": True, "oom": False}.get(row["status"])  # None: skipped or error, the search stops
+
+    fit, over = 0, None
+    length = min(max(g, -(-template.seq_len // g) * g), limit)
+    while True:
+        verdict = fits((yield replace(template, seq_len=length)))
+        if verdict is None:
+            return fit or None
+        if not verdict:
+            over = length
+            break
+        fit = length
+        if length == limit:
+            return fit
+        length = min(2 * length, limit)
+    while over - fit > g:
+        middle = (fit + over) // 2 // g * g
+        verdict = fits((yield replace(template, seq_len=middle)))
+        if verdict is None:
+            break
+        fit, over = (middle, over) if verdict else (fit, middle)
+    return fit or None

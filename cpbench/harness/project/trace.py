@@ -31,7 +31,7 @@ from torch.utils._pytree import tree_flatten
 
 from cpbench.cp.recompute import under_op_policy
 from cpbench.harness.measure.collectives import _OPS as COLLECTIVES
-from cpbench.harness.project import work
+from cpbench.harness.project import flops, work
 
 
 class Op(NamedTuple):
@@ -48,7 +48,7 @@ class Op(NamedTuple):
     group: int = 1  # a collective's group size
     crosses_nodes: bool = False
     name: str = ""  # the aten (or library) op, e.g. "aten.mm"
-    # what a kernel's efficiency depends on (work.py): a GEMM's (m, n, k, groups), an attention call's (queries,
+    # what a kernel's efficiency depends on (flops.py): a GEMM's (m, n, k, groups), an attention call's (queries,
     # keys, head dim, causal, batch x heads)
     shape: tuple = ()
     tensors: int = 1  # the tensors the op takes (a foreach op: its lists'): its host cost in the optimizer step
@@ -221,25 +221,25 @@ class StepTrace(TorchDispatchMode):
         writes = tuple({self._key(t) for t in written})
         shape = ()
         if name == "fsdp.split_with_sizes_copy":
-            kind, flops = "copy_out", 0.0  # FSDP2's all-gather copy-out: the next all-gather may start after it
-        elif name in work.GEMM:
-            kind, (flops, shape) = "gemm", work.gemm(name, args)
-        elif name in work.ATTENTION:
-            spec = work.ATTENTION[name]
+            kind, count = "copy_out", 0.0  # FSDP2's all-gather copy-out: the next all-gather may start after it
+        elif name in flops.GEMM:
+            kind, (count, shape) = "gemm", flops.gemm(name, args)
+        elif name in flops.ATTENTION:
+            spec = flops.ATTENTION[name]
             family = spec.family
             if self.attention_family is not None and family in ("", "_cudnn", "_sdpa"):
                 family = self.attention_family
             elif family == "_sdpa" and _arg(func, args, kwargs, "attn_mask") is not None:
                 family = "_efficient"  # the model's own SDPA call with a mask: CUDA's SDPA takes this kernel
-            flops, shape = work.attention(name, args, kwargs)
+            count, shape = flops.attention(name, args, kwargs)
             kind = f"attention{family}_{spec.direction}"
         else:
-            kind, flops = "memory", 0.0
+            kind, count = "memory", 0.0
         backward = _in_backward()
         moved = work.moved_bytes(name, args, kwargs, inputs, written, backward=backward)
         if name == "fsdp.all_gather_copy_in":
             self._onto_copy_in_stream(_tensors(args[0]))
-        self.ops.append(Op(stream, kind, self.phase, float(flops), float(moved), reads, writes, name=name,
+        self.ops.append(Op(stream, kind, self.phase, float(count), float(moved), reads, writes, name=name,
                            shape=shape + (work.tensor_bytes(outputs[0]),) if kind == "gemm" and outputs else shape,
                            tensors=len(inputs), strided=kind == "memory" and work.strided(inputs, written),
                            backward=backward, selective=under_op_policy()))

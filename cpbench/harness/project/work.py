@@ -1,72 +1,19 @@
-"""What one kernel call of a projected step computes and moves: its FLOPs, the bytes it reads and writes, and the
-shape its efficiency depends on (efficiency.py prices that shape). Pure functions of an op's name and arguments,
-called by the op trace (trace.py); nothing here knows a GPU.
+"""What one kernel call of a projected step moves: the bytes it reads and writes, read the way the CUDA kernel reads
+them, what it writes in place, and whether it runs vectorized. Pure functions of an op's name and arguments, called by
+the op trace (trace.py); nothing here knows a GPU. What a call computes is flops.py's.
 
-Conventions, as the kernels' own papers count them:
-- a matrix multiply-add is 2 FLOPs: an (m, k) x (k, n) GEMM is 2 m k n; a grouped GEMM (MoE experts) is the sum
-  over its groups, whatever their sizes;
-- attention forward is 2 x pairs x heads x (d_qk + d_v) (QK^T and PV; 4 x pairs x heads x d when the head dims
-  agree), the backward 2.5 times that (five matmuls against two: the FlashAttention papers' convention); a causal
-  call counts the query-key pairs its mask keeps, aligned as the kernel aligns them (`causal_pairs`);
-- bytes are what an op reads plus what it writes, each tensor once: an expanded input (a stride-0 dimension) is
-  read at its stored size, and what an op only overwrites (`copy_`, `fill_`, an `out=` tensor) is not read.
+Bytes are what an op reads plus what it writes, each tensor once: an expanded input (a stride-0 dimension) is read
+at its stored size, and what an op only overwrites (`copy_`, `fill_`, an `out=` tensor) is not read; gathers,
+scatters and the NLL loss touch the rows they pick or put, a softmax over wide rows reads them as often as its
+kernel does.
 """
 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
 
-
-class Attention(NamedTuple):
-    direction: str  # forward | backward
-    family: str  # "" (FlashAttention-2 class) | _efficient | _cudnn | _fa3 | _sdpa (the model's own call)
-    causal: tuple  # (argument name, its index): where the call says it is causal
-    layout: str  # bhsd | bshd (varlen: [tokens, heads, dim])
-    align: str  # top_left (torch's is_causal) | bottom_right (the flash kernels, flash-attn) | mask_type
-    offsets_at: int | None = None  # cu_seqlens_q's index (cu_seqlens_k follows it), for a varlen call
-
-
-_TL, _BR = "top_left", "bottom_right"
-# The CPU flash kernel is what a projection's fake CPU tensors dispatch where the model calls SDPA itself (no CP,
-# Ulysses): it stands for the kernel SDPA picks on the GPU (trace.py). torch's SDPA refuses the flash kernel a
-# non-square causal call (sdp_utils.cpp check_flash_causal_non_square_seqlens), so its square calls align either way.
-ATTENTION = {
-    "aten._scaled_dot_product_flash_attention_for_cpu": Attention("forward", "_sdpa", ("is_causal", 4), "bhsd", _TL),
-    "aten._scaled_dot_product_flash_attention_for_cpu_backward": Attention("backward", "_sdpa", ("is_causal", 7),
-                                                                           "bhsd", _TL),
-    "aten._scaled_dot_product_flash_attention": Attention("forward", "", ("is_causal", 4), "bhsd", _BR),
-    "aten._scaled_dot_product_flash_attention_backward": Attention("backward", "", ("is_causal", 11), "bhsd", _BR),
-    "aten._scaled_dot_product_efficient_attention": Attention("forward", "_efficient", ("is_causal", 6), "bhsd", _TL),
-    "aten._scaled_dot_product_efficient_attention_backward": Attention("backward", "_efficient", ("is_causal", 11),
-                                                                       "bhsd", _TL),
-    "aten._scaled_dot_product_cudnn_attention": Attention("forward", "_cudnn", ("is_causal", 6), "bhsd", _TL),
-    "aten._scaled_dot_product_cudnn_attention_backward": Attention("backward", "_cudnn", ("is_causal", 14), "bhsd",
-                                                                   _TL),
-    "aten._flash_attention_forward": Attention("forward", "", ("is_causal", 8), "bshd", _BR, 3),
-    "aten._flash_attention_backward": Attention("backward", "", ("is_causal", 11), "bshd", _BR, 6),
-    # custom_mask_type: 0 none, 1 causal from the top left, 2 from the bottom right (mem_eff_attention kernel_forward.h)
-    "aten._efficient_attention_forward": Attention("forward", "_efficient", ("custom_mask_type", 9), "bshd",
-                                                   "mask_type", 4),
-    "aten._efficient_attention_backward": Attention("backward", "_efficient", ("custom_mask_type", 14), "bshd",
-                                                    "mask_type", 6),
-    # flash-attn >= 2.7's custom ops (cpbench/cp/ring/flash.py calls them with these positions)
-    "flash_attn._flash_attn_forward": Attention("forward", "", ("causal", 5), "bshd", _BR),
-    "flash_attn._flash_attn_backward": Attention("backward", "", ("causal", 11), "bshd", _BR),
-    "flash_attn._flash_attn_varlen_forward": Attention("forward", "", ("causal", 9), "bshd", _BR, 3),
-    "flash_attn._flash_attn_varlen_backward": Attention("backward", "", ("causal", 15), "bshd", _BR, 9),
-    # FlashAttention-3's custom ops (hopper/flash_attn_interface.py; cpbench/cp/ring/fa3.py calls them by keyword),
-    # dense [b, s, h, d] or varlen [tokens, h, d] with cu_seqlens. FlashAttention-4's `_flash_attn_fwd` is a plain
-    # Python function over CuTe kernels, not an op the dispatcher sees: a model's own call is priced as SDPA's kernel
-    # (`--sdpa-kernel fa4`).
-    "flash_attn_3._flash_attn_forward": Attention("forward", "_fa3", ("causal", 24), "bshd", _BR, 7),
-    "flash_attn_3._flash_attn_backward": Attention("backward", "_fa3", ("is_causal", 16), "bshd", _BR, 6),
-}
-GEMM = {"aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten._scaled_mm", "aten._grouped_mm",
-        "transformers.grouped_mm_fallback", "transformers.grouped_mm_fallback_backward"}
 # Ops that overwrite their first argument without reading it
 WRITE_ONLY = {"aten.copy_", "aten.fill_", "aten.zero_", "aten._foreach_copy_", "aten._foreach_zero_", "aten.normal_",
               "aten.uniform_", "aten.random_", "aten.bernoulli_", "aten.exponential_", "aten.set_"}
@@ -75,6 +22,10 @@ WRITE_ONLY = {"aten.copy_", "aten.fill_", "aten.zero_", "aten._foreach_copy_", "
 # Gathers: their first argument is read only where they pick (an embedding of a 151,936-row table for 8k tokens
 # reads 8k rows, not the table): it counts at the output's size. `aten.index` is advanced indexing (`x[ids]`).
 GATHER = {"aten.embedding", "aten.index_select", "aten.gather", "aten.index"}
+# The NLL loss's CUDA kernels (ATen/native/cuda/Loss.cu) touch one element of each row of the log-probabilities, the
+# target's: the forward reads it (nll_loss_forward_reduce_cuda_kernel_2d), the backward zeroes its whole gradient
+# (nll_loss_backward_out_cuda: grad_input.zero_()) and writes it there; neither reads the rest of `self`.
+NLL = {"aten.nll_loss_forward", "aten.nll_loss_backward"}
 # Scatters in place: their first argument is written (and, where they accumulate, read) only where they put, and
 # their values read only where they are put from (_put_elements)
 SCATTER = {"aten.index_put_", "aten._index_put_impl_", "aten.index_add_", "aten.index_copy_", "aten.scatter_",
@@ -146,6 +97,10 @@ def moved_bytes(name: str, args, kwargs, inputs: list, outputs: list, backward: 
         source = args[0]
         skip.add(id(source))
         picked = min(tensor_bytes(source), outputs[0].numel() * source.element_size())
+    if name in NLL and len(args) > 2 and isinstance(args[1], torch.Tensor):
+        log_probs = args[0] if name == "aten.nll_loss_forward" else args[1]
+        skip.add(id(log_probs))
+        picked = (log_probs.shape[0] if log_probs.dim() == 2 else 1) * log_probs.element_size()
     if backward and name in IN_PLACE_OF:
         name, outputs = IN_PLACE_OF[name], []  # the result is the zeros the put goes into: its rows written only
     if name in SCATTER and args and isinstance(args[0], torch.Tensor):
@@ -199,111 +154,6 @@ def _flat(x) -> list:
     if isinstance(x, (list, tuple)):
         return [t for item in x for t in _flat(item)]
     return []
-
-
-def causal_pairs(q_len: int, k_len: int, align: str = _TL) -> int:
-    """Query-key pairs a causal kernel computes. Top left (torch's `is_causal`): query i sees keys 0..i. Bottom right
-    (the flash kernels, flash-attn): the last query sees every key, query i sees keys 0..k_len - q_len + i."""
-    if align == _BR:
-        if q_len <= k_len:
-            return q_len * (k_len - q_len) + q_len * (q_len + 1) // 2
-        return k_len * (k_len + 1) // 2
-    if q_len <= k_len:
-        return q_len * (q_len + 1) // 2
-    return k_len * (k_len + 1) // 2 + (q_len - k_len) * k_len
-
-
-def _arg(spec: tuple, args, kwargs, default=None):
-    name, at = spec
-    if kwargs and name in kwargs:
-        return kwargs[name]
-    return args[at] if len(args) > at else default
-
-
-def attention(name: str, args, kwargs=None) -> tuple[float, tuple]:
-    """(FLOPs, shape) of one attention kernel call. `shape`: (queries, keys per query as the kernel loops over them,
-    head dim, causal, batch x heads): what efficiency.py reads the kernel's efficiency curve at."""
-    spec = ATTENTION[name]
-    q, k, v = (args[1], args[2], args[3]) if spec.direction == "backward" else (args[0], args[1], args[2])
-    flag = _arg(spec.causal, args, kwargs, 0)
-    align = spec.align
-    if align == "mask_type":
-        flag, align = int(flag or 0), {1: _TL, 2: _BR}.get(int(flag or 0), _TL)
-    causal = bool(flag)
-    if spec.layout == "bhsd":
-        batch, heads, q_len, d_qk = q.shape
-        lengths = [(q_len, k.shape[-2])] * batch
-    else:  # [batch, seq, heads, dim], or varlen [tokens, heads, dim] with offsets
-        heads, d_qk = q.shape[-2], q.shape[-1]
-        lengths = _lengths(spec, args, q, k)
-    pairs = [causal_pairs(a, b, align) if causal else a * b for a, b in lengths]
-    forward = 2.0 * sum(pairs) * heads * (d_qk + v.shape[-1])
-    flops = forward * (2.5 if spec.direction == "backward" else 1.0)
-    total = sum(pairs) or 1
-    q_mean = sum(p * a for p, (a, _) in zip(pairs, lengths)) / total  # pair-weighted: where the work is
-    k_mean = sum(p * b for p, (_, b) in zip(pairs, lengths)) / total
-    return flops, (q_mean, k_mean, d_qk, causal, len(lengths) * heads)
-
-
-def _lengths(spec: Attention, args, q, k) -> list[tuple[int, int]]:
-    if q.dim() == 4:
-        return [(q.shape[1], k.shape[1])] * q.shape[0]
-    at = spec.offsets_at
-    if at is not None and len(args) > at + 1 and args[at] is not None:
-        try:  # the offsets are known values in a projection when they derive from the batch's positions
-            cq, ck = _values(args[at]), _values(args[at + 1])
-            return [(cq[i + 1] - cq[i], ck[i + 1] - ck[i]) for i in range(len(cq) - 1)]
-        except Exception:  # noqa: BLE001 - unknown offsets: one sequence of all the tokens (an upper bound)
-            pass
-    return [(q.shape[0], k.shape[0])]
-
-
-def _values(t: torch.Tensor) -> list:
-    """A tensor's values as a list; a fake tensor's known values read from the real tensor it carries (a fake
-    tensor's own `tolist` dispatches an op per element: a packed tile's offsets, hundreds of documents, in every
-    attention call was a third of a packed projection's time)."""
-    constant = getattr(t, "constant", None)
-    if constant is None:
-        return t.tolist()
-    with _disable_current_modes():  # a real tensor: no mode of the projection's (fake tensors, trace) may see it
-        return constant.tolist()
-
-
-def gemm(name: str, args) -> tuple[float, tuple]:
-    """(FLOPs, shape) of one matrix multiplication. `shape`: (m, n, k, groups), one group's problem (a batched or
-    grouped GEMM runs its groups side by side in one launch)."""
-    if name in ("aten.addmm", "aten.baddbmm"):
-        a, b = args[1], args[2]
-    else:
-        a, b = args[0], args[1]
-    if name.startswith("transformers.grouped_mm_fallback"):  # (input [S, K], weight [E, K, N], offs, [grad])
-        s, kk, n, groups = a.shape[0], a.shape[1], b.shape[-1], b.shape[0]
-        passes = 2 if name.endswith("backward") else 1  # the backward: grad input and grad weight
-        return 2.0 * s * kk * n * passes, (max(1, s // groups), n, kk, groups)
-    if name == "aten._grouped_mm":
-        offs = args[2] if len(args) > 2 else None
-        return _grouped(a, b, offs.shape[0] if isinstance(offs, torch.Tensor) else 1)
-    batch = a.shape[0] if a.dim() == 3 else 1
-    m, k = a.shape[-2], a.shape[-1]
-    n = b.shape[-1]
-    return 2.0 * batch * m * k * n, (m, n, k, batch)
-
-
-def _grouped(a: torch.Tensor, b: torch.Tensor, groups: int) -> tuple[float, tuple]:
-    """torch._grouped_mm: 2-D x 3-D (token rows grouped by expert: the experts' forward and input gradient), 2-D x
-    2-D (the contraction grouped: the experts' weight gradient, one [m, n] output per group), 3-D x 3-D (batched)."""
-    if a.dim() == 2 and b.dim() == 3:
-        (m, k), n = a.shape, b.shape[-1]
-        return 2.0 * m * k * n, (max(1, m // groups), n, k, groups)
-    if a.dim() == 2 and b.dim() == 2:  # out [groups, m, n]; each group contracts its own slice of k
-        m, k, n = a.shape[0], a.shape[1], b.shape[1]
-        return 2.0 * m * k * n, (m, n, max(1, k // groups), groups)
-    if a.dim() == 3 and b.dim() == 2:  # out [m, n_total], each group its own columns
-        m, k = a.shape[1], a.shape[2]
-        n = b.shape[-1]
-        return 2.0 * m * k * n, (m, max(1, n // groups), k, groups)
-    groups, m, k = a.shape
-    return 2.0 * groups * m * k * b.shape[-1], (m, b.shape[-1], k, groups)
 
 
 def mutated(func, args, kwargs) -> list[torch.Tensor]:
