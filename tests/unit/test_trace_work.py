@@ -261,10 +261,25 @@ def test_the_cuda_softmax_reads_rows_that_fit_no_on_chip_copy_as_its_kernels_do(
     assert ops["aten._softmax_backward_data"] == (3 + 2 + 2) * row
     ops, row = traced(4096, lambda x: torch.softmax(x, -1))
     assert ops["aten._softmax_backward_data"] == (3 + 3) * row
-    # a softmax over an inner dim runs the spatial kernel, one pass; an empty one moves nothing more
-    x = torch.zeros(4, 20000, 3)
-    assert work.softmax_rereads("aten._softmax", (x, 1, False)) == 0
-    assert work.softmax_rereads("aten._softmax", (torch.zeros(0, 20000), 1, False)) == 0
+    # where each kernel takes over: 9,215 fp32 fit registers (9 a thread of 1,024) but not shared memory (not a
+    # multiple of 4, float4 loads); 10,242 fits shared memory's size but not its float4 loads; 2,049 and 1,026 pass
+    # the warp-per-row kernels' 2,048 forward and 1,024 backward
+    rereads = work.softmax_rereads
+    for width, forward_reads, backward_reads in ((9215, 1, 2), (10242, 3, 2), (2049, 1, 2), (1024, 1, 1),
+                                                 (1026, 1, 2)):
+        x = torch.zeros(2, width)
+        assert rereads("aten._log_softmax", (x, -1, False)) == (forward_reads - 1) * x.nbytes, width
+        assert rereads("aten._log_softmax_backward_data", (x, x, -1, x.dtype)) == (backward_reads - 1) * x.nbytes
+    # half to float (CUDA's log_softmax of a half input, fp32 out): no register kernel, the 1,024 warp bound
+    half = torch.zeros(2, 1032, dtype=torch.float16)
+    assert rereads("aten._log_softmax", (half, -1, True)) == 0  # shared memory: 1,032 is a multiple of 8
+    assert rereads("aten._log_softmax", (half[:, :1030].contiguous(), -1, True)) == 2 * 2 * 1030 * 2
+    assert rereads("aten._log_softmax", (half[:, :1024].contiguous(), -1, True)) == 0  # a warp per row
+    # a softmax over an inner dim runs the spatial kernels, the same passes over strided rows; an empty one nothing
+    x = torch.zeros(4, 200, 3)
+    assert rereads("aten._softmax", (x, 1, False)) == 2 * x.nbytes
+    assert rereads("aten._softmax_backward_data", (x, x, 1, x.dtype)) == (3 + 1) * x.nbytes
+    assert rereads("aten._softmax", (torch.zeros(0, 20000), 1, False)) == 0
 
 
 def test_the_nll_loss_touches_one_log_probability_a_row_and_zeroes_its_whole_gradient():

@@ -42,7 +42,8 @@ IN_PLACE_OF = {"aten.index_put": "aten.index_put_", "aten.index_add": "aten.inde
 # torch's CUDA softmax over rows (ATen/native/cuda/SoftMax.cu) reads a row more than once where the row fits neither
 # the warp-per-row kernel, nor registers, nor a block's 48 KiB of shared memory (cudaDeviceProp.sharedMemPerBlock):
 # cunn_SoftMaxForward reads it for its max, for its sum of exponentials and for the output; cunn_SoftMaxBackward
-# reads the gradient for the row's sum and again for the result. A vocabulary's logits are such rows.
+# reads the gradient for the row's sum and again for the result. A vocabulary's logits are such rows; so is every
+# softmax over an inner dim (cunn_SpatialSoftMaxForward / Backward: the same passes, strided).
 SOFTMAX = {"aten._softmax", "aten._log_softmax", "aten._softmax_backward_data", "aten._log_softmax_backward_data"}
 _SMEM_PER_BLOCK = 48 * 1024
 
@@ -56,10 +57,11 @@ def softmax_rereads(name: str, args) -> int:
         return 0
     backward = name.endswith("_backward_data")
     dim = (args[2] if backward else args[1]) % max(x.dim(), 1)
-    if math.prod(x.shape[dim + 1:]) != 1:
-        return 0  # cunn_SpatialSoftMax*: a row strided across the inner dims, read once
-    size = x.shape[dim] if x.dim() else 1
     product = 2 * tensor_bytes(x) + tensor_bytes(args[1]) if name == "aten._softmax_backward_data" else 0
+    passes = tensor_bytes(x) * (1 if backward else 2)
+    if math.prod(x.shape[dim + 1:]) != 1:
+        return product + passes  # cunn_SpatialSoftMax*: rows strided across the inner dims, no on-chip copy
+    size = x.shape[dim] if x.dim() else 1
     item = args[3].itemsize if backward else x.element_size()  # scalar_t: the input's dtype
     to_float = x.dtype != args[3] if backward else bool(args[2])
     rows = 1024 if backward or to_float else 2048  # dispatch_softmax_forward / _backward: a warp per row
@@ -75,9 +77,10 @@ def softmax_rereads(name: str, args) -> int:
         threads = -(-min(size, 1024) // 32) * 32
         if not to_float and -(-size // threads) < 10:
             return product  # cunn_SoftMaxForwardReg: the row held in registers
-    if size < (_SMEM_PER_BLOCK - threads // 32 * 4) // x.element_size() and size % ilp == 0:
+    reduction = threads // 32 * (8 if x.dtype == torch.float64 else 4)  # a partial per warp, in accscalar_t
+    if size < (_SMEM_PER_BLOCK - reduction) // x.element_size() and size % ilp == 0:
         return product  # cunn_SoftMax*Smem: the row read once into shared memory
-    return product + tensor_bytes(x) * (1 if backward else 2)
+    return product + passes
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
