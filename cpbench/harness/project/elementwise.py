@@ -1,19 +1,16 @@
 """The element-wise kernels' HBM figures, `efficiency.memory`, `efficiency.memory_strided` and `memory_ramp_s`, fitted
 to published timings of eager PyTorch modules, priced the way a projection prices a model's element-wise ops.
 
-A model's element-wise kernels (norms in fp32, activations, residual adds, rotary embeddings, the casts) do not
-stream at a large copy's speed: each also pays a fixed time (its first wave's DRAM latency, its tail), a large share at
-a short step's sizes, and one torch cannot vectorize (a strided view: trace.py) runs its index arithmetic per element.
-The time model prices such a kernel as its bytes over the efficient HBM bandwidth plus `memory_ramp_s` (a time, not a
-size), never under a kernel's floor (`kernel_s`).
+A model's element-wise kernels (fp32 norms, activations, residual adds, rotary embeddings, casts) each pay a fixed
+time (a first wave's DRAM latency, a tail) besides their bytes, and one torch cannot vectorize (a strided view) runs
+its index arithmetic per element: priced as bytes over the efficient HBM bandwidth plus `memory_ramp_s`, never under
+a kernel's floor (`kernel_s`).
 
-The data: Liger-Kernel's benchmark rows (github.com/linkedin/Liger-Kernel at commit ead96b61,
-benchmark/data/all_benchmark_data.csv, or the file a row's `file` column names), kept in results/published/elementwise
-with their line numbers, time eager reference modules with triton's do_bench (CUDA events, the L2 cache cleared
-between runs). Each module is rebuilt from its benchmark script as of the row, run on fake tensors of the row's shape
-under the op trace a projection uses (trace.py), and priced op by op as timing.py prices them, back to back (the
-benchmark queues the kernels behind its cache-clearing memset, so it times the GPU alone). The fit minimises the
-squared log error over the forward rows (contiguous ones set `memory` and the ramp, those with a strided kernel
+The data: Liger-Kernel's benchmark rows (github.com/linkedin/Liger-Kernel at ead96b61, benchmark/data/*.csv), kept in
+results/published/elementwise with their line numbers, time eager reference modules with triton's do_bench (CUDA
+events, the L2 cleared between runs). Each module is rebuilt from its benchmark script as of the row, traced on fake
+tensors of the row's shape (trace.py) and priced op by op, back to back (the benchmark times the GPU alone). The fit
+minimises the squared log error over the forward rows (contiguous ones set `memory` and the ramp, strided ones
 `memory_strided`); the "full" rows, forward and backward, are held out.
 
     python -m cpbench.harness.project.elementwise        # the H100 SXM's rows: every row, the fit and its error
@@ -24,7 +21,8 @@ add + RMSNorm in fp32. A100 SXM4 80GB (liger_a100_eager.csv, `--gpu a100-sxm`): 
 0.5-12.6 GB, too large to set a ramp: the profile's is kept) and the Llama-3-8B's RoPE. Rows priced, never fitted:
 Liger's fused (Triton) RMSNorm forward on the A100 (liger_a100_fused.csv), against cpbench's fused norm; transformers'
 LlamaMLP (liger_{a100,b200}_mlp.csv), GEMMs and element-wise ops together; the 8B's residual add + RMSNorm on the B200
-(liger_b200_add_rms_norm.csv), which the B200's figure, fitted to the JSD's gigabyte kernels, prices fast.
+(liger_b200_add_rms_norm.csv), which the B200's figure, fitted to the JSD's gigabyte kernels, prices fast; torch's
+cross-entropy on the A100 (liger_a100_cross_entropy.csv), whose softmax reads wide rows three times (work.py).
 
 On another GPU, `python results/gpu/elementwise_bench.py OUT.csv` times the same modules at the same sizes there and
 writes rows of the same form; `python -m cpbench.harness.project.elementwise --data OUT.csv --gpu h200` fits them.
@@ -184,13 +182,23 @@ def _llama_mlp(row: dict, cfg: dict):
     return (lambda: layer(x)), (lambda y: y.backward(torch.randn_like(y))), [x]
 
 
+def _torch_cross_entropy(row: dict, cfg: dict):
+    """benchmark_cross_entropy.py's `huggingface` provider as of its A100 rows (Liger-Kernel b5672a15): torch's
+    CrossEntropyLoss on fp32 logits (B x T, V); `full` backpropagates without clearing the input's gradient, so each
+    run adds into it. Priced, never fitted (CE_DATA)."""
+    x = torch.randn(cfg["B"] * cfg["T"], int(row["x_value"]), requires_grad=True)
+    x.grad, target = torch.zeros_like(x), torch.randint(int(row["x_value"]), (cfg["B"] * cfg["T"],))
+    return (lambda: torch.nn.functional.cross_entropy(x, target)), (lambda y: y.backward()), [x]
+
+
 MODULES = {"relu_squared": _relu_squared, "megatron_swiglu": _swiglu, "fused_add_rms_norm": _add_rms_norm,
            "rms_norm": _llama_rms_norm, "jsd": _torch_jsd, "rms_norm/liger": _fused_rms_norm,
-           "rope": _hf_rope, "swiglu": _llama_mlp, "geglu": _llama_mlp}
+           "rope": _hf_rope, "swiglu": _llama_mlp, "geglu": _llama_mlp, "cross_entropy": _torch_cross_entropy}
 FUSED_DATA = DATA.with_name("liger_a100_fused.csv")  # a fused kernel's rows: priced, never fitted
 MLP_DATA = {"a100-sxm": DATA.with_name("liger_a100_mlp.csv"),  # transformers' LlamaMLP: GEMMs and the activation,
             "b200": DATA.with_name("liger_b200_mlp.csv")}        # priced, never fitted
 ADD_NORM_DATA = DATA.with_name("liger_b200_add_rms_norm.csv")  # the 8B's residual add + RMSNorm on a B200: priced only
+CE_DATA = DATA.with_name("liger_a100_cross_entropy.csv")  # torch's cross-entropy, 16k rows of 4k-131k: priced only
 
 
 def module(row: dict):
