@@ -223,8 +223,8 @@ def test_torchs_cross_entropy_moves_what_its_cuda_kernels_read_as_published_timi
     on an A100. Counted as the kernels read (work.py: log_softmax's rows past shared memory three times, its gradient
     twice, the NLL one element a row), the forward rows and the forward-and-backward rows imply the same bandwidth
     past 32,768 wide (1.6-1.7 TB/s, 0.8 of HBM), where the schema's count (each tensor once, the NLL reading the whole
-    logits) had the forward at 1.21-1.24 and the full rows at 1.53-1.56 TB/s; at 16,384 wide the rows in flight fit
-    the L2, which serves the re-reads (the count implies more than HBM's peak: an upper bound, docs/time.md). The A100's
+    logits) had the forward at 1.21-1.24 and the full rows at 1.53-1.56 TB/s; at 16,384 wide the forward's count
+    implies more than HBM's peak: the L2 serves its re-reads there (an upper bound, docs/time.md). The A100's
     figure, fitted to transformers' RMSNorm, prices these streaming kernels 1.2-1.35 times slow; below 12,256 wide the
     row is read once and the NLL's one block of 32 threads, a latency the model does not price, is most of the gap."""
     hw = builtin()["a100-sxm"]

@@ -6,12 +6,12 @@ time (a first wave's DRAM latency, a tail) besides their bytes, and one torch ca
 its index arithmetic per element: priced as bytes over the efficient HBM bandwidth plus `memory_ramp_s`, never under
 a kernel's floor (`kernel_s`).
 
-The data: Liger-Kernel's benchmark rows (github.com/linkedin/Liger-Kernel at ead96b61, benchmark/data/*.csv), kept in
-results/published/elementwise with their line numbers, time eager reference modules with triton's do_bench (CUDA
-events, the L2 cleared between runs). Each module is rebuilt from its benchmark script as of the row, traced on fake
-tensors of the row's shape (trace.py) and priced op by op, back to back (the benchmark times the GPU alone). The fit
-minimises the squared log error over the forward rows (contiguous ones set `memory` and the ramp, strided ones
-`memory_strided`); the "full" rows, forward and backward, are held out.
+The data: Liger-Kernel's benchmark rows (github.com/linkedin/Liger-Kernel at ead96b61, benchmark/data/*.csv: the
+one a row's `file` column names, else all_benchmark_data.csv), kept in results/published/elementwise with their line
+numbers, time eager reference modules with triton's do_bench (CUDA events, the L2 cleared between runs). Each module
+is rebuilt from its benchmark script as of the row, traced on fake tensors of the row's shape (trace.py) and priced
+op by op, back to back (the benchmark times the GPU alone). The fit minimises the squared log error over the forward
+rows (contiguous ones set `memory` and the ramp, strided ones `memory_strided`); the "full" rows are held out.
 
     python -m cpbench.harness.project.elementwise        # the H100 SXM's rows: every row, the fit and its error
 
@@ -188,7 +188,7 @@ def _torch_cross_entropy(row: dict, cfg: dict):
     run adds into it. Priced, never fitted (CE_DATA)."""
     x = torch.randn(cfg["B"] * cfg["T"], int(row["x_value"]), requires_grad=True)
     x.grad, target = torch.zeros_like(x), torch.randint(int(row["x_value"]), (cfg["B"] * cfg["T"],))
-    return (lambda: torch.nn.functional.cross_entropy(x, target)), (lambda y: y.backward()), [x]
+    return (lambda: torch.nn.functional.cross_entropy(x, target)), (lambda y: y.backward()), []
 
 
 MODULES = {"relu_squared": _relu_squared, "megatron_swiglu": _swiglu, "fused_add_rms_norm": _add_rms_norm,
