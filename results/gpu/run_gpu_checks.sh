@@ -13,7 +13,10 @@
 #   1a. the 8B's kernels by class (suites/decompose-llama3-8b.toml: its widths at 16 layers, 8192 tokens, recompute):
 #      GEMMs, attention, element-wise, optimizer, each measured (torch.profiler) beside the time model's price on
 #      this GPU's profile (cpbench/harness/project/decompose.py): -> results/gpu/decompose.csv and decompose.log;
-#   1b. the element-wise kernels' figures on this GPU (results/gpu/elementwise_bench.py, then the fit of
+#   1b. the same step's GEMMs shape by shape (results/gpu/gemm_bench.py): each timed as the profiles' `gemm` figures
+#      were (mamf-finder.py's burst) and all of them replayed for 20 s (a step's sustained load) with the SM clock
+#      and power sampled, beside their price: -> results/gpu/gemm.csv, gemm.csv.json and gemm.log;
+#   1c. the element-wise kernels' figures on this GPU (results/gpu/elementwise_bench.py, then the fit of
 #      cpbench.harness.project.elementwise): -> results/gpu/elementwise.csv and elementwise.log;
 #   2. the Qwen3-0.6B reference suite (suites/qwen3-0.6b-long.toml: bf16, 16k and 32k tokens, cp 1 and 2, sdpa,
 #      flash_attention_2 and flash_attention_3, cp_ulysses and cp_ring), then its report;
@@ -29,7 +32,7 @@
 #
 # Usage (repository root, an environment with cpbench installed):  bash results/gpu/run_gpu_checks.sh [--memory-budget 80GiB]
 # The arguments go to the sweep. Exit status: the tests' if they failed, else the element-wise bench's, else
-# decompose's, else the sweep's.
+# decompose's, else the GEMM bench's, else the sweep's.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PYTHON:-python}
@@ -66,6 +69,12 @@ else
   echo "decompose skipped: the GPU has under 60 GiB (suites/decompose-llama3-8b.toml needs ~50 GB)" \
     | tee results/gpu/decompose.log
 fi
+# the step's GEMMs: bursts and a sustained replay beside their price (~40 s; the largest operands take 2 GB)
+gemm=0
+timeout 75 "$PY" results/gpu/gemm_bench.py results/gpu/gemm.csv --gpu "${gpu:-h100-sxm}" > results/gpu/gemm.log 2>&1 \
+    || gemm=$?
+tail -3 results/gpu/gemm.log
+if [ "$gemm" -ne 0 ]; then echo "gemm_bench failed or timed out (exit $gemm): results/gpu/gemm.log"; fi
 # the element-wise figures of this GPU: the eager modules the H100's were fitted to, timed here, then fitted (~1 min)
 bench=0
 timeout 90 "$PY" results/gpu/elementwise_bench.py results/gpu/elementwise.csv --reps 50 > results/gpu/elementwise.log 2>&1 \
@@ -79,12 +88,13 @@ else
   "$PY" -m cpbench.harness.project.elementwise --data results/gpu/elementwise.csv --gpu "$gpu" 2>&1 \
     | tee -a results/gpu/elementwise.log
 fi
-# 150 s for the sweep keeps the whole script within 10 minutes; finished points are kept if it is cut (--resume).
+# 120 s for the sweep keeps the whole script within 10 minutes; finished points are kept if it is cut (--resume).
 sweep=0
-timeout 150 "$PY" -m cpbench sweep suites/qwen3-0.6b-long.toml --out results/gpu --no-progress "$@" || sweep=$?
+timeout 120 "$PY" -m cpbench sweep suites/qwen3-0.6b-long.toml --out results/gpu --no-progress "$@" || sweep=$?
 run=$(ls -d results/gpu/qwen3-0.6b-long/2* 2>/dev/null | tail -1)
 if [ -n "$run" ]; then "$PY" -m cpbench report "$run"; fi
 if [ "$tests" -ne 0 ]; then exit "$tests"; fi
 if [ "$bench" -ne 0 ]; then exit "$bench"; fi
 if [ "$decomp" -ne 0 ]; then exit "$decomp"; fi
+if [ "$gemm" -ne 0 ]; then exit "$gemm"; fi
 exit "$sweep"

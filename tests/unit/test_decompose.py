@@ -120,3 +120,33 @@ def test_a_measured_step_is_split_into_its_phases_windows(tmp_path, monkeypatch)
     monkeypatch.setattr(decompose, "bucket", lambda pairs, phase="step": dict.fromkeys(decompose.CLASSES, 0.0))
     with pytest.raises(RuntimeError, match="recorded no op time"):
         decompose.measure(point, steps=1, warmup=0)
+
+
+def test_the_gemm_bench_times_the_projected_steps_own_gemms_priced_as_the_decomposition_prices_them(tmp_path):
+    # results/gpu/gemm_bench.py on the CPU (its times say nothing of a GPU): its shapes are the projected step's
+    # GEMMs, every one, and their prices add up to the GEMM class decompose.py sets beside the measured one
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "results" / "gpu" / "gemm_bench.py"
+    spec = importlib.util.spec_from_file_location("gemm_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    suite, out = _suite(tmp_path, device="'cpu'"), tmp_path / "gemm.csv"
+    summary = bench.main([str(out), "--suite", str(suite), "--gpu", "h100-sxm", "--device", "cpu",
+                          "--seconds", "0.05", "--warmup", "1", "--timed", "2"])
+    point, hw = load_suite(suite).points()[0], hardware.load("h100-sxm")
+    projected = decompose.project(point, hw)
+    gemms = [op for op in projected["trace"] if op.kind == "gemm"]
+    rows = list(csv.DictReader(out.open()))
+    assert summary == json.loads(Path(f"{out}.json").read_text())
+    assert sum(int(r["count"]) for r in rows) == summary["gemms"] == len(gemms) > 0
+    assert len({(r["m"], r["n"], r["k"], r["groups"]) for r in rows}) == len(rows) < len(gemms)  # shapes repeat
+    assert summary["flops"] == pytest.approx(sum(op.flops for op in gemms))
+    assert sum(float(r["gflop"]) * int(r["count"]) for r in rows) * 1e9 == pytest.approx(summary["flops"])
+    assert summary["priced_s"] == pytest.approx(projected["classes"]["gemm"])
+    assert summary["burst_s"] > 0 and summary["sustained_s"] > 0 and summary["replays"] >= 1
+    assert summary["sm_clock_mhz"] is None and "power_limit_w" not in summary  # no NVML device on the CPU
+    a, b = bench.operands((4, 3, 2, 1), torch.float32, "cpu")  # mamf-finder.py's: B an (n, k) matrix transposed
+    assert a.shape == (4, 2) and a.is_contiguous() and b.shape == (2, 3) and b.stride() == (1, 2)
