@@ -48,6 +48,10 @@ def test_the_memory_efficient_kernel_counts_its_causal_mask_types():
     q = torch.empty(1, 2, 2, 8, device="meta")  # 2 queries over 4 keys from the bottom right: 3 + 4 pairs
     args = [q, t, t, None, None, None, None, None, 0.0, 2]
     assert kernel_flops.attention("aten._efficient_attention_forward", tuple(args))[0] == 4 * 7 * 2 * 8
+    # its varlen form keeps q 4-D ([1, tokens, heads, dim]) beside cu_seqlens: documents of 3 and 1 tokens, causal
+    offsets = torch.tensor([0, 3, 4])
+    args = [t, t, t, None, offsets, offsets, 3, 3, 0.0, 1]
+    assert kernel_flops.attention("aten._efficient_attention_forward", tuple(args))[0] == 4 * (6 + 1) * 2 * 8
 
 
 def test_flash_kernels_count_non_square_causal_calls_from_the_bottom_right():
@@ -61,11 +65,40 @@ def test_flash_kernels_count_non_square_causal_calls_from_the_bottom_right():
     assert kernel_flops.attention("flash_attn._flash_attn_backward", bwd)[0] == 2.5 * 4 * 7 * 2 * 8
 
 
+def test_a_sliding_window_counts_the_pairs_its_window_keeps_as_the_flash_kernels_read_it():
+    # 256 queries, causal, a window of 63 keys back (flash's window_size_left): query i sees min(i + 1, 64) keys
+    windowed = 64 * 65 // 2 + (256 - 64) * 64
+    assert kernel_flops.pairs_within(256, 256, True, "bottom_right", 63, -1) == windowed
+    t = torch.empty(1, 256, 2, 8, device="meta")  # [batch, seq, heads, dim]
+    aten = (t, t, t, None, None, 256, 256, 0.0, True, False)  # aten's flash kernel: the window by keyword only
+    flops, shape = kernel_flops.attention("aten._flash_attention_forward", aten,
+                                          {"window_size_left": 63, "window_size_right": None})
+    assert flops == 4 * windowed * 2 * 8 and shape[1] == 64  # the keys its kernel loops over: the window's
+    full = kernel_flops.attention("aten._flash_attention_forward", aten)[0]
+    assert full == 4 * (256 * 257 // 2) * 2 * 8
+    # flash-attn's varlen call, per document (100 and 156 tokens), window (63, 0) at 10 and 11
+    tokens, offsets = torch.empty(256, 2, 8, device="meta"), torch.tensor([0, 100, 256])
+    varlen = (tokens, tokens, tokens, offsets, offsets, 156, 156, 0.0, 1.0, True, 63, 0)
+    per_doc = sum(kernel_flops.pairs_within(n, n, True, "bottom_right", 63, 0) for n in (100, 156))
+    assert kernel_flops.attention("flash_attn._flash_attn_varlen_forward", varlen)[0] == 4 * per_doc * 2 * 8
+    # not causal, 20 keys back and none bounding it forward (a ring tile's (left, -1)): query i sees keys
+    # max(0, i - 20) .. 255; FlashAttention-3's backward reads its window at 17 and 18
+    grad = [t, t, t, t, t, None, None, None, None, None, 256, 256, None, None, None, 1.0, False, 20, -1]
+    got = kernel_flops.attention("flash_attn_3._flash_attn_backward", tuple(grad))[0]
+    assert got == 2 * kernel_flops.pairs_within(256, 256, False, "bottom_right", 20, -1) * 2 * (3 * 8 + 2 * 8)
+    assert kernel_flops.pairs_within(256, 256, False, "bottom_right", 20, -1) == sum(256 - max(0, i - 20)
+                                                                                     for i in range(256))
+
+
 def test_attention_with_a_value_head_unlike_the_query_head_counts_both():
     q, v = _bhsd(dim=192), _bhsd(dim=128)  # multi-head latent attention: qk 192, v 128
     call = (q, q, v, None, False, 0.0, False)
     flops, shape = kernel_flops.attention("aten._scaled_dot_product_cudnn_attention", call)
     assert flops == 2 * 16 * 2 * (192 + 128) and shape == (4, 4, 192, False, 2)
+    # its backward: QK^T again, dQ and dK over the qk dim, dV and dP over v's: 2 x pairs x heads x (3 x 192 + 2 x 128)
+    grad = (v, q, q, v, v, None, None, None, 4, 4, 0.0, False)
+    flops = kernel_flops.attention("aten._scaled_dot_product_cudnn_attention_backward", grad)[0]
+    assert flops == 2 * 16 * 2 * (3 * 192 + 2 * 128)
 
 
 def test_grouped_gemms_count_every_group_once():
@@ -93,6 +126,10 @@ def test_an_op_moves_what_it_reads_and_writes_each_tensor_once():
     rows, row = torch.ones(64, 1000), torch.ones(1, 1000)
     # an expanded input is read at its stored size: 4000 bytes, not 64 x 4000
     assert _bytes_of(lambda: rows + row.expand(64, 1000)) == 64 * 4000 * 2 + 4000
+    # a factory reads nothing of the tensor it takes its dtype, device or shape from: its output only
+    assert _bytes_of(lambda: rows.new_zeros(())) == 4
+    assert _bytes_of(lambda: rows.new_zeros(rows.shape)) == _bytes_of(lambda: torch.zeros_like(rows)) == 64 * 4000
+    assert _bytes_of(lambda: torch.full_like(a, 3.0)) == _bytes_of(lambda: torch.randn_like(a)) == 4000
 
 
 def test_what_an_op_writes_in_place_is_written_even_when_it_returns_nothing():
@@ -182,6 +219,24 @@ def test_fsdp2_casts_each_shard_for_its_all_gather_on_the_copy_in_stream():
     # nothing else leaves the compute stream: the copy-in's output buffer may reuse a freed tensor's storage
     assert {o.name for o in ops if o.stream == "ag" and o.kind == "memory"} == {"aten._foreach_copy_",
                                                                               "fsdp.all_gather_copy_in"}
+
+
+def test_fsdp2s_all_gather_copy_in_moves_its_inputs_into_its_slice_whatever_the_world():
+    # all_gather_copy_in copies the shards into this rank's slice of the buffer it is handed (FSDP2's
+    # all_gather_copy_in_cuda: one _foreach_copy_): it read the whole buffer and wrote it and the slice, (world + 2)
+    # times its work
+    from cpbench.harness.project.projection import project_rank
+    from cpbench.harness.suite.spec import load_suite
+
+    for world in (2, 8):
+        text = (f'name = "t"\nmodel = "tiny-llama"\nseq_lens = [64]\ncp_sizes = [1]\nworld_size = {world}\n'
+                'dtype = "bfloat16"\ndevice = "cuda"\nwarmup_steps = 1\nmeasured_steps = 1\n')
+        ops = project_rank(load_suite("t.toml", text=text).points()[0], 0, keep_trace=True)["trace"]
+        pairs = [(o, next(g for g in ops[i + 1:] if g.kind == "all_gather"))
+                 for i, o in enumerate(ops) if o.name == "fsdp.all_gather_copy_in"]
+        assert pairs
+        for copy_in, gather in pairs:  # the all-gather sends this rank's shard: what the copy-in copied
+            assert copy_in.bytes == 2 * gather.bytes > 0
 
 
 def _projected_trace(extra: str) -> list:

@@ -6,8 +6,9 @@ Conventions, as the kernels' own papers count them:
 - a matrix multiply-add is 2 FLOPs: an (m, k) x (k, n) GEMM is 2 m k n; a grouped GEMM (MoE experts) is the sum
   over its groups, whatever their sizes;
 - attention forward is 2 x pairs x heads x (d_qk + d_v) (QK^T and PV; 4 x pairs x heads x d when the head dims
-  agree), the backward 2.5 times that (five matmuls against two: the FlashAttention papers' convention); a causal
-  call counts the query-key pairs its mask keeps, aligned as the kernel aligns them (`causal_pairs`).
+  agree), the backward 2 x pairs x heads x (3 d_qk + 2 d_v) (QK^T again, dV, dP, dQ, dK: 2.5 times the forward when
+  the head dims agree, the FlashAttention papers' convention); a causal call counts the query-key pairs its mask
+  keeps, aligned as the kernel aligns them (`causal_pairs`).
 """
 
 from __future__ import annotations
@@ -25,9 +26,21 @@ class Attention(NamedTuple):
     layout: str  # bhsd | bshd (varlen: [tokens, heads, dim])
     align: str  # top_left (torch's is_causal) | bottom_right (the flash kernels, flash-attn) | mask_type
     offsets_at: int | None = None  # cu_seqlens_q's index (cu_seqlens_k follows it), for a varlen call
+    window: tuple = ()  # ((name, index), (name, index)) of its sliding window's left and right sizes (index None:
+    # keyword only); a size of -1 or None is unbounded, and a causal call's right size is 0 (flash's mha_fwd)
 
 
 _TL, _BR = "top_left", "bottom_right"
+
+
+def _window(at: int) -> tuple:
+    """flash-attn's window_size_left / window_size_right, positional at `at` and the next."""
+    return ("window_size_left", at), ("window_size_right", at + 1)
+
+
+# aten's flash kernels take their window by keyword only (native_functions.yaml: `*, ..., window_size_left=None`);
+# the memory-efficient kernel's `window_size` is not read (cpbench never passes one)
+_KW_WINDOW = (("window_size_left", None), ("window_size_right", None))
 # The CPU flash kernel is what a projection's fake CPU tensors dispatch where the model calls SDPA itself (no CP,
 # Ulysses): it stands for the kernel SDPA picks on the GPU (trace.py). torch's SDPA refuses the flash kernel a
 # non-square causal call (sdp_utils.cpp check_flash_causal_non_square_seqlens), so its square calls align either way.
@@ -43,24 +56,26 @@ ATTENTION = {
     "aten._scaled_dot_product_cudnn_attention": Attention("forward", "_cudnn", ("is_causal", 6), "bhsd", _TL),
     "aten._scaled_dot_product_cudnn_attention_backward": Attention("backward", "_cudnn", ("is_causal", 14), "bhsd",
                                                                    _TL),
-    "aten._flash_attention_forward": Attention("forward", "", ("is_causal", 8), "bshd", _BR, 3),
-    "aten._flash_attention_backward": Attention("backward", "", ("is_causal", 11), "bshd", _BR, 6),
+    "aten._flash_attention_forward": Attention("forward", "", ("is_causal", 8), "bshd", _BR, 3, _KW_WINDOW),
+    "aten._flash_attention_backward": Attention("backward", "", ("is_causal", 11), "bshd", _BR, 6, _KW_WINDOW),
     # custom_mask_type: 0 none, 1 causal from the top left, 2 from the bottom right (mem_eff_attention kernel_forward.h)
     "aten._efficient_attention_forward": Attention("forward", "_efficient", ("custom_mask_type", 9), "bshd",
                                                    "mask_type", 4),
     "aten._efficient_attention_backward": Attention("backward", "_efficient", ("custom_mask_type", 14), "bshd",
                                                     "mask_type", 6),
     # flash-attn >= 2.7's custom ops (cpbench/cp/ring/flash.py calls them with these positions)
-    "flash_attn._flash_attn_forward": Attention("forward", "", ("causal", 5), "bshd", _BR),
-    "flash_attn._flash_attn_backward": Attention("backward", "", ("causal", 11), "bshd", _BR),
-    "flash_attn._flash_attn_varlen_forward": Attention("forward", "", ("causal", 9), "bshd", _BR, 3),
-    "flash_attn._flash_attn_varlen_backward": Attention("backward", "", ("causal", 15), "bshd", _BR, 9),
+    "flash_attn._flash_attn_forward": Attention("forward", "", ("causal", 5), "bshd", _BR, None, _window(6)),
+    "flash_attn._flash_attn_backward": Attention("backward", "", ("causal", 11), "bshd", _BR, None, _window(12)),
+    "flash_attn._flash_attn_varlen_forward": Attention("forward", "", ("causal", 9), "bshd", _BR, 3, _window(10)),
+    "flash_attn._flash_attn_varlen_backward": Attention("backward", "", ("causal", 15), "bshd", _BR, 9,
+                                                        _window(16)),
     # FlashAttention-3's custom ops (hopper/flash_attn_interface.py; cpbench/cp/ring/fa3.py calls them by keyword),
     # dense [b, s, h, d] or varlen [tokens, h, d] with cu_seqlens. FlashAttention-4's `_flash_attn_fwd` is a plain
     # Python function over CuTe kernels, not an op the dispatcher sees: a model's own call is priced as SDPA's kernel
     # (`--sdpa-kernel fa4`).
-    "flash_attn_3._flash_attn_forward": Attention("forward", "_fa3", ("causal", 24), "bshd", _BR, 7),
-    "flash_attn_3._flash_attn_backward": Attention("backward", "_fa3", ("is_causal", 16), "bshd", _BR, 6),
+    "flash_attn_3._flash_attn_forward": Attention("forward", "_fa3", ("causal", 24), "bshd", _BR, 7, _window(25)),
+    "flash_attn_3._flash_attn_backward": Attention("backward", "_fa3", ("is_causal", 16), "bshd", _BR, 6,
+                                                   _window(17)),
 }
 GEMM = {"aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten._scaled_mm", "aten._grouped_mm",
         "transformers.grouped_mm_fallback", "transformers.grouped_mm_fallback_backward"}
@@ -82,7 +97,28 @@ def _arg(spec: tuple, args, kwargs, default=None):
     name, at = spec
     if kwargs and name in kwargs:
         return kwargs[name]
-    return args[at] if len(args) > at else default
+    return args[at] if at is not None and len(args) > at else default
+
+
+def pairs_within(q_len: int, k_len: int, causal: bool, align: str = _TL, left: int = -1, right: int = -1) -> int:
+    """Query-key pairs a call computes: query i sees keys i + off - left .. i + off + right (off = k_len - q_len
+    from the bottom right, 0 from the top left), within 0 .. k_len - 1; a negative size is unbounded, and a causal
+    call's right size is 0. Counted by diagonals (j - i), so a window of a million queries costs no loop."""
+    if not causal and left < 0 and right < 0:
+        return q_len * k_len
+    off = k_len - q_len if align == _BR else 0
+    high = off + (0 if causal else right) if causal or right >= 0 else k_len
+    low = off - left if left >= 0 else -q_len
+    return max(0, _at_most(q_len, k_len, high) - _at_most(q_len, k_len, low - 1))
+
+
+def _at_most(q_len: int, k_len: int, d: int) -> int:
+    """Pairs (i, j), 0 <= i < q_len, 0 <= j < k_len, with j - i <= d: the sum over i of min(max(i + d + 1, 0),
+    k_len)."""
+    c = d + 1
+    lo = min(q_len, max(0, -c))  # rows before it see no key
+    hi = min(q_len, max(lo, k_len - c))  # rows from it on see every key
+    return (hi - lo) * c + (hi - lo) * (lo + hi - 1) // 2 + (q_len - hi) * k_len
 
 
 def attention(name: str, args, kwargs=None) -> tuple[float, tuple]:
@@ -101,25 +137,39 @@ def attention(name: str, args, kwargs=None) -> tuple[float, tuple]:
     else:  # [batch, seq, heads, dim], or varlen [tokens, heads, dim] with offsets
         heads, d_qk = q.shape[-2], q.shape[-1]
         lengths = _lengths(spec, args, q, k)
-    pairs = [causal_pairs(a, b, align) if causal else a * b for a, b in lengths]
-    forward = 2.0 * sum(pairs) * heads * (d_qk + v.shape[-1])
-    flops = forward * (2.5 if spec.direction == "backward" else 1.0)
+    left, right = (_size(_arg(w, args, kwargs)) for w in spec.window) if spec.window else (-1, -1)
+    pairs = [pairs_within(a, b, causal, align, left, right) for a, b in lengths]
+    if left >= 0:  # a sliding window: the keys its kernel loops over are the window's, not the sequence's
+        band = left + 1 + (0 if causal else right if right >= 0 else max(b for _, b in lengths))
+        lengths = [(a, min(b, band)) for a, b in lengths]
+    d_v = v.shape[-1]
+    per_pair = 3 * d_qk + 2 * d_v if spec.direction == "backward" else d_qk + d_v
+    flops = 2.0 * sum(pairs) * heads * per_pair
     total = sum(pairs) or 1
     q_mean = sum(p * a for p, (a, _) in zip(pairs, lengths)) / total  # pair-weighted: where the work is
     k_mean = sum(p * b for p, (_, b) in zip(pairs, lengths)) / total
     return flops, (q_mean, k_mean, d_qk, causal, len(lengths) * heads)
 
 
+def _size(value) -> int:
+    """A window size as flash-attn reads it: None or negative is unbounded (-1)."""
+    return -1 if value is None or int(value) < 0 else int(value)
+
+
 def _lengths(spec: Attention, args, q, k) -> list[tuple[int, int]]:
-    if q.dim() == 4:
-        return [(q.shape[1], k.shape[1])] * q.shape[0]
+    """(queries, keys) of each sequence: per document where the call has offsets (the memory-efficient kernel's
+    varlen form keeps q 4-D, [1, tokens, heads, dim]: meta__efficient_attention_forward), else the batch's."""
     at = spec.offsets_at
+    if q.dim() == 4 and not (at is not None and len(args) > at + 1 and args[at] is not None):
+        return [(q.shape[1], k.shape[1])] * q.shape[0]
     if at is not None and len(args) > at + 1 and args[at] is not None:
         try:  # the offsets are known values in a projection when they derive from the batch's positions
             cq, ck = _values(args[at]), _values(args[at + 1])
             return [(cq[i + 1] - cq[i], ck[i + 1] - ck[i]) for i in range(len(cq) - 1)]
         except Exception:  # noqa: BLE001 - unknown offsets: one sequence of all the tokens (an upper bound)
             pass
+    if q.dim() == 4:
+        return [(q.shape[1], k.shape[1])] * q.shape[0]
     return [(q.shape[0], k.shape[0])]
 
 

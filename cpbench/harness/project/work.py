@@ -3,9 +3,9 @@ them, what it writes in place, and whether it runs vectorized. Pure functions of
 the op trace (trace.py); nothing here knows a GPU. What a call computes is flops.py's.
 
 Bytes are what an op reads plus what it writes, each tensor once: an expanded input (a stride-0 dimension) is read
-at its stored size, and what an op only overwrites (`copy_`, `fill_`, an `out=` tensor) is not read; gathers,
-scatters and the NLL loss touch the rows they pick or put, a softmax over wide rows reads them as often as its
-kernel does.
+at its stored size, what an op only overwrites (`copy_`, `fill_`, an `out=` tensor) and a factory's template
+(`new_zeros`, `zeros_like`) are not read; gathers, scatters and the NLL loss touch the rows they pick or put, a
+softmax over wide rows reads them as often as its kernel does.
 """
 
 from __future__ import annotations
@@ -18,6 +18,11 @@ import torch
 WRITE_ONLY = {"aten.copy_", "aten.fill_", "aten.zero_", "aten._foreach_copy_", "aten._foreach_zero_", "aten.normal_",
               "aten.uniform_", "aten.random_", "aten.bernoulli_", "aten.exponential_", "aten.set_"}
 
+# Factories that take a tensor for its dtype, device or shape only (`new_zeros` is at::zeros(size, self.options()),
+# `zeros_like` empty_like(self).zero_()): they write their output and read nothing
+TEMPLATE = {"aten.new_zeros", "aten.new_ones", "aten.new_full", "aten.new_empty", "aten.new_empty_strided",
+            "aten.zeros_like", "aten.ones_like", "aten.full_like", "aten.empty_like", "aten.rand_like",
+            "aten.randn_like", "aten.randint_like"}
 
 # Gathers: their first argument is read only where they pick (an embedding of a 151,936-row table for 8k tokens
 # reads 8k rows, not the table): it counts at the output's size. `aten.index` is advanced indexing (`x[ids]`).
@@ -104,6 +109,11 @@ def moved_bytes(name: str, args, kwargs, inputs: list, outputs: list, backward: 
         log_probs = args[0] if name == "aten.nll_loss_forward" else args[1]
         skip.add(id(log_probs))
         picked = (log_probs.shape[0] if log_probs.dim() == 2 else 1) * log_probs.element_size()
+    if name in TEMPLATE:
+        inputs = []
+    if name == "fsdp.all_gather_copy_in" and args:  # its inputs copied into this rank's slice of the buffer it is
+        inputs = _flat(args[0])  # handed, whose other slices the all-gather writes: 2 x its inputs (FSDP2's
+        return 2 * sum(map(tensor_bytes, inputs))  # all_gather_copy_in_cuda, one _foreach_copy_)
     if backward and name in IN_PLACE_OF:
         name, outputs = IN_PLACE_OF[name], []  # the result is the zeros the put goes into: its rows written only
     if name in SCATTER and args and isinstance(args[0], torch.Tensor):
