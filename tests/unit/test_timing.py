@@ -77,6 +77,36 @@ def test_collectives_cost_their_ring_algorithm_bytes_over_the_link_they_cross():
     assert collective_seconds("all_gather", mb, 1, False, HW) == 0.0  # a group of one moves nothing
 
 
+def test_a_collective_across_nodes_spreads_what_crosses_over_every_gpus_link():
+    # 16 ranks on 2 nodes of 8, each GPU with its own 10 GB/s link (10 us a hop); NVLink 100 GB/s beside it
+    mb = 8e6
+    # all-reduce of 8 MB: each node sends and receives 2 x 1/2 of it, spread over its 8 links: 1 MB each = 100 us,
+    # + 2 x 15 hops of 10 us; the ring's traffic inside the node, 2 x 15/16 x 8 MB at 100 GB/s = 150 us, beside it
+    assert collective_seconds("all_reduce", mb, 16, True, HW, nodes=2) == pytest.approx(100e-6 + 30e-5)
+    fast = dataclasses.replace(HW, inter_node_latency_s=0.0)  # without the hops' latency NVLink's part is longer
+    assert collective_seconds("all_reduce", mb, 16, True, fast, nodes=2) == pytest.approx(150e-6)
+    slow = dataclasses.replace(HW, inter_node_bytes_per_s=1e9)  # a 1 GB/s link: the network bounds it
+    assert collective_seconds("all_reduce", mb, 16, True, slow, nodes=2) == pytest.approx(1e-3 + 30 * 1e-5)
+    # all-gather of 1 MB shards over 4 nodes of 4: each GPU's link brings in the 3 other nodes' shards of its
+    # position (3 MB, 3 ms at 1 GB/s); reduce-scatter of 16 MB: 3/4 of it leaves each node over 4 links (3 MB)
+    assert collective_seconds("all_gather", 1e6, 16, True, slow, nodes=4) == pytest.approx(3e-3 + 15e-5)
+    assert collective_seconds("reduce_scatter", 16e6, 16, True, slow, nodes=4) == pytest.approx(3e-3 + 15e-5)
+    # all-to-all: 3/4 of the input goes to other nodes through the rank's own link
+    assert collective_seconds("all_to_all", 8e6, 16, True, slow, nodes=4) == pytest.approx(6e-3 + 15e-5)
+    # the nodes unknown: one rank a node, the whole ring through each link (what the naive model prices)
+    assert collective_seconds("all_reduce", mb, 16, True, slow) == pytest.approx(2 * 15 / 16 * 8e-3 + 30e-5)
+
+
+def test_the_b200_profile_prices_the_cross_node_all_reduces_its_network_figure_was_read_from():
+    """ml-engineering network/README.md, 4 nodes of 8 B200 over EFA v4: all_reduce busbw by payload, from which the
+    profile's `inter_node` (36.5 GB/s of each GPU's 50) was derived; the payloads an FSDP step's collectives move
+    (128 MiB and up) are priced within 10 % (the hops' assumed latency makes 16 MiB slow, 1.44 x)."""
+    hw = hardware.load("b200")
+    for payload, busbw in {128 << 20: 197.94, 1 << 30: 361.99, 4 << 30: 377.34, 16 << 30: 381.80}.items():
+        measured = payload * 2 * 31 / 32 / (busbw * 1e9)
+        assert collective_seconds("all_reduce", payload, 32, True, hw, nodes=4) == pytest.approx(measured, rel=0.1)
+
+
 def _ring_step(tile_flops: float) -> list[Op]:
     """A ring step: receive the next K/V block (8 MB: 80 us) while the current tile computes, then the next tile
     reads the received block."""
@@ -409,3 +439,33 @@ def test_a_profile_written_before_the_recompute_and_ramp_figures_loads_and_a_neg
     bad.write_text(CPU_CORE.replace("cpu_recompute_layer_s = 0.0\n", "cpu_recompute_layer_s = -1e-3\n"))
     with pytest.raises(ValueError, match=r"cpu_recompute_layer_s = -0.001: give a time of 0 or more"):
         hardware.load(str(bad))
+
+
+def test_the_trace_says_how_many_nodes_each_collectives_group_spans():
+    from cpbench.harness.project.projection import project_rank
+    from cpbench.harness.project.timing import COLLECTIVE_KINDS
+    from cpbench.harness.suite.spec import load_suite
+
+    text = ('name = "t"\nmodel = "tiny-llama"\nseq_lens = [64]\ncp_sizes = [2]\nworld_size = 4\n'
+            'attn_implementations = ["sdpa"]\ncp_styles = ["cp_ulysses"]\ndtype = "bfloat16"\ndevice = "cuda"\n')
+    point = load_suite("t.toml", text=text).points()[0]
+    for per_node, nodes in ((2, 2), (8, 1)):
+        ops = project_rank(point, 0, hardware.load("h100-sxm"), gpus_per_node=per_node, keep_trace=True)["trace"]
+        # fsdp 2 x cp 2: FSDP's group holds ranks 0 and 2, the cp group 0 and 1 (rank 0's)
+        spans = {(o.group, o.nodes, o.crosses_nodes) for o in ops if o.kind in COLLECTIVE_KINDS and o.group > 1}
+        assert spans, "no collective traced"
+        assert all(n in (1, nodes) and c == (n > 1) for _, n, c in spans), spans
+        assert any(n == nodes for _, n, _ in spans)
+
+
+def test_a_kernel_beside_a_collective_slows_only_while_the_collective_runs():
+    from cpbench.harness.project.timing import _beside_collectives
+
+    # a 100 us kernel; NCCL holds 18 % of the SMs while a collective runs: 0.82 of its speed then, full speed after
+    assert _beside_collectives(0.0, 100e-6, [(0.0, 50e-6)], 0.18) == pytest.approx(50e-6 + (100e-6 - 41e-6))
+    assert _beside_collectives(0.0, 100e-6, [(0.0, 110e-6)], 0.18) == pytest.approx(110e-6 + (100e-6 - 90.2e-6))
+    assert _beside_collectives(0.0, 100e-6, [(0.0, 1.0)], 0.18) == pytest.approx(100e-6 / 0.82)  # throughout
+    # two collectives at once count once: 0-20 free, 20-60 at half speed (20 us of work), the rest free
+    assert _beside_collectives(0.0, 100e-6, [(20e-6, 40e-6), (30e-6, 60e-6)], 0.5) == pytest.approx(120e-6)
+    assert _beside_collectives(0.0, 100e-6, [(200e-6, 300e-6)], 0.5) == pytest.approx(100e-6)  # after it ends
+    assert _beside_collectives(0.0, 100e-6, [(0.0, 1.0)], 0.0) == 100e-6

@@ -38,19 +38,50 @@ HOST_ONLY = ("sync", "checkpoint", "replay")  # no kernel: a wait for the GPU, t
 BREAKDOWN = ("compute_s", "optimizer_s", "comm_exposed_s", "transfer_exposed_s", "overhead_s")
 
 
-def collective_seconds(kind: str, nbytes: float, group: int, crosses_nodes: bool, hw: Hardware) -> float:
+def collective_seconds(kind: str, nbytes: float, group: int, crosses_nodes: bool, hw: Hardware,
+                       nodes: int | None = None) -> float:
     """One collective of `group` ranks: `nbytes` is what this rank hands to it (an all-gather's shard, the whole
     input of a reduce-scatter, all-to-all or all-reduce, a received block for point-to-point). NCCL reaches its
     large-message bus bandwidth only on large messages: at `*_half_bytes` (nccl-tests' size: an all-gather's whole
-    output, the others' input) it moves at half of it."""
+    output, the others' input) it moves at half of it.
+
+    Across `nodes` nodes (`group` / `nodes` ranks on each, every GPU with a network link of its own: an HGX node's
+    8 NICs), NCCL keeps every link busy at once: what must leave or enter a node is spread over its GPUs' links, so
+    each carries (the node's share of) the bytes that cross, not the whole ring's. Per GPU's link: an all-gather
+    brings in the other nodes' shards, (nodes - 1) x shard; a reduce-scatter (nodes - 1) / nodes of its input over
+    the node's ranks, an all-reduce twice that; an all-to-all sends what goes to other nodes, (nodes - 1) / nodes of
+    its input. The same collective's traffic inside the node (the whole ring's, at NVLink speed) runs beside it and
+    bounds it where the network is fast. ml-engineering network/README.md sets this against the 'naive' model that
+    pushes the ring's bytes through one link, and derives its per-GPU rates so (B200 over EFA: busbw x (nodes - 1) /
+    (ranks - 1)). `nodes` unknown: one rank per node (every ring step crosses a link)."""
     if group <= 1 and kind != "p2p":
         return 0.0
-    link, eff, latency, half = ((hw.inter_node_bytes_per_s, hw.efficiency["inter_node"], hw.inter_node_latency_s,
-                                 hw.inter_node_half_bytes) if crosses_nodes else
-                                (hw.intra_node_bytes_per_s, hw.efficiency["intra_node"], hw.intra_node_latency_s,
-                                 hw.intra_node_half_bytes))
+    if not crosses_nodes:
+        return _ring_seconds(kind, nbytes, group, hw.intra_node_bytes_per_s * hw.efficiency["intra_node"],
+                             hw.intra_node_latency_s, hw.intra_node_half_bytes)
+    k = min(max(nodes or group, 2), group) if kind != "p2p" else 2
+    g = group / k
+    link, latency, half = (hw.inter_node_bytes_per_s * hw.efficiency["inter_node"], hw.inter_node_latency_s,
+                           hw.inter_node_half_bytes)
     size = nbytes * group if kind == "all_gather" else nbytes
-    bw = link * eff * size / (size + half) if size else link * eff
+    bw = link * size / (size + half) if size else link
+    crossing = {"all_gather": (k - 1) * nbytes, "reduce_scatter": (k - 1) / k * nbytes / g,
+                "all_reduce": 2 * (k - 1) / k * nbytes / g, "all_to_all": (k - 1) / k * nbytes, "p2p": nbytes}
+    if kind not in crossing:
+        raise ValueError(f"unknown collective kind {kind!r}")
+    hops = 1 if kind == "p2p" else (2 if kind == "all_reduce" else 1) * (group - 1)
+    network = crossing[kind] / bw + latency * hops if crossing[kind] else 0.0
+    if kind == "p2p" or g <= 1:
+        return network
+    inside = _ring_seconds(kind, nbytes, group, hw.intra_node_bytes_per_s * hw.efficiency["intra_node"], 0.0,
+                           hw.intra_node_half_bytes)
+    return max(network, inside)
+
+
+def _ring_seconds(kind: str, nbytes: float, group: int, link: float, latency: float, half: float) -> float:
+    """A ring collective over one kind of link: each rank's bytes through its own link, one latency a hop."""
+    size = nbytes * group if kind == "all_gather" else nbytes
+    bw = link * size / (size + half) if size else link
     if kind == "all_gather":  # each rank receives the other n-1 shards
         return nbytes * (group - 1) / bw + latency * (group - 1)
     if kind in ("reduce_scatter", "all_to_all"):  # each rank sends (n-1)/n of its input
@@ -84,7 +115,7 @@ def op_seconds(op: Op, hw: Hardware, dtype: str) -> float:
     if op.kind in ("h2d", "d2h"):
         return op.bytes / (hw.pcie_bytes_per_s * hw.efficiency["pcie"])
     if op.kind in COLLECTIVE_KINDS:
-        return collective_seconds(op.kind, op.bytes, op.group, op.crosses_nodes, hw)
+        return collective_seconds(op.kind, op.bytes, op.group, op.crosses_nodes, hw, op.nodes)
     if op.stream == "host":
         return op.bytes / (hw.host_bytes_per_s * hw.efficiency["host"])
     if op.kind in ("memory", "copy_out"):  # an element-wise kernel: its ramp too, and a strided one unvectorized
@@ -214,16 +245,32 @@ def floor_seconds(ops: list[Op], hw: Hardware, dtype: str) -> float:
 
 def _beside_collectives(start: float, dur: float, busy: list, share: float) -> float:
     """A kernel's duration when NCCL holds `share` of the SMs while a collective runs beside it: it progresses at
-    1 - share of its speed for the time it overlaps one (the collectives issued so far)."""
+    1 - share of its speed while one runs (the collectives issued so far; concurrent ones count once), at full speed
+    otherwise, until its work is done."""
     if not share:
         return dur
-    spans = sorted((max(a, start), min(b, start + dur)) for a, b in busy if b > start and a < start + dur)
-    overlap, reach = 0.0, start
-    for a, b in spans:  # their union, so that concurrent collectives count once
-        a = max(a, reach)
-        if b > a:
-            overlap, reach = overlap + b - a, b
-    return dur + overlap * share / (1 - share)
+    t, left = start, dur  # the work left, in seconds at full speed
+    for a, b in _union(sorted((a, b) for a, b in busy if b > start)):
+        a = max(a, t)
+        if a - t >= left:  # done before this collective starts
+            break
+        left -= a - t
+        if (b - a) * (1 - share) >= left:  # done while it runs
+            return a + left / (1 - share) - start
+        left -= (b - a) * (1 - share)
+        t = b
+    return t + left - start
+
+
+def _union(spans: list) -> list:
+    """Sorted (start, end) spans merged where they overlap."""
+    out: list = []
+    for a, b in spans:
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
 
 
 def attention_kernels(ops: list[Op], hw: Hardware) -> str:

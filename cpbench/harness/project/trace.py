@@ -47,6 +47,7 @@ class Op(NamedTuple):
     writes: tuple
     group: int = 1  # a collective's group size
     crosses_nodes: bool = False
+    nodes: int = 1  # the nodes a collective's group spans (its ranks spread evenly over them)
     name: str = ""  # the aten (or library) op, e.g. "aten.mm"
     # what a kernel's efficiency depends on (flops.py): a GEMM's (m, n, k, groups), an attention call's (queries,
     # keys, head dim, causal, batch x heads)
@@ -281,7 +282,7 @@ class StepTrace(TorchDispatchMode):
         # the received block waits for it; the send is free.
         nbytes = _nbytes(written) if receive else 0 if send else _nbytes(sent)
         self.ops.append(Op(stream, kind, self.phase, 0.0, float(nbytes), reads, tuple({self._key(t) for t in written}),
-                           size, len(nodes) > 1, backward=_in_backward()))
+                           size, len(nodes) > 1, nodes=max(len(nodes), 1), backward=_in_backward()))
         for t in written:
             self._stream_of[self._key(t)] = stream
 
