@@ -379,6 +379,24 @@ def test_the_backward_of_a_gather_puts_into_its_zeros_in_place():
     assert put.bytes == 2 * 3 * 8 * 4 + 4 + 24  # the rows read and written, the expanded gradient, the indices
 
 
+def test_a_put_a_checkpointed_forward_replays_in_backward_is_priced_as_its_forward():
+    # an out-of-place put in a model's forward (JetMoE's zeros.index_add) is a clone and a put; replayed in backward
+    # by a checkpoint it is the same op, not one of autograd's backward formulas put in place into fresh zeros
+    from torch.utils.checkpoint import checkpoint
+
+    x, ids = torch.ones(3, 8, requires_grad=True), torch.tensor([3, 5, 7])
+
+    def layer(t):
+        z = torch.zeros(1000, 8).index_add(0, ids, t)
+        return (z * z).sum()  # the product saves z: the replay recomputes the put
+
+    with StepTrace() as trace:
+        checkpoint(layer, x, use_reentrant=False).backward()
+    puts = [o for o in trace.ops if o.name == "aten.index_add"]
+    assert len(puts) == 2 and puts[1].backward and puts[0].bytes == puts[1].bytes
+    assert puts[0].bytes == 2 * 1000 * 8 * 4 + 3 * 8 * 4 + 3 * 8  # the zeros read, the result written: the clone
+
+
 def test_a_checkpointed_layer_whose_replay_is_not_seen_is_said():
     from cpbench.harness.project.trace import Op
 

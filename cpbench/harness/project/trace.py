@@ -237,7 +237,7 @@ class StepTrace(TorchDispatchMode):
         else:
             kind, count = "memory", 0.0
         backward = _in_backward()
-        moved = work.moved_bytes(name, args, kwargs, inputs, written, backward=backward)
+        moved = work.moved_bytes(name, args, kwargs, inputs, written, backward=backward and not _recomputing())
         if name == "fsdp.all_gather_copy_in":
             self._onto_copy_in_stream(_tensors(args[0]))
         self.ops.append(Op(stream, kind, self.phase, float(count), float(moved), reads, writes, name=name,
@@ -291,6 +291,14 @@ def _in_backward() -> bool:
     """Whether autograd's engine is running a backward pass here (its graph task: the backward's own ops, a
     recomputed layer's replay, the hooks it runs)."""
     return torch._C._current_graph_task_id() != -1
+
+
+def _recomputing() -> bool:
+    """Whether a checkpointed forward is being replayed in backward (torch.utils.checkpoint's non-reentrant
+    recomputation, which cpbench's recompute, tiled MLP and chunked loss all use, runs under its
+    `_recomputation_hook`): its ops are the model's forward, not autograd's backward formulas."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return hooks is not None and "_recomputation_hook" in getattr(hooks[0], "__qualname__", "")
 
 
 def _arg(func, args, kwargs, name: str):

@@ -96,7 +96,7 @@ def tensor_bytes(t: torch.Tensor) -> int:
 def moved_bytes(name: str, args, kwargs, inputs: list, outputs: list, backward: bool = False) -> int:
     """Bytes read plus bytes written; each distinct tensor counts once per direction. `outputs`: what the op writes,
     its results and what it writes in place (`mutated`: an in-place foreach op returns nothing). `backward`:
-    the op runs in autograd's backward (IN_PLACE_OF)."""
+    the op is one of autograd's backward formulas (IN_PLACE_OF), not a recomputed forward replayed in backward."""
     skip = {id(t) for t in _flat((kwargs or {}).get("out"))}
     if name in WRITE_ONLY and args:
         skip |= {id(t) for t in _flat(args[0])}
