@@ -5,7 +5,10 @@ GEMM: on Hopper and Blackwell, a measured table by shape (gemm_tables.json: Open
 bf16 GEMM throughput on an H100 and a B200 for b in {1, 2, 4} and m, n, k from 256 to 4096), read in log space
 between its points; a dimension past 4096 takes the 4096 value (the kernels are saturated there), one under 256
 costs as 256 (a tile is that wide). The table gives the shape's share of its own best; the profile's `gemm` sets
-the level. Elsewhere (Ampere) a call costs its FLOPs over the core efficiency times its wave efficiency, plus the
+the level. The table's best is a batched point (b = 4), so one GEMM at the shape the `gemm` figure was measured at
+(mamf-finder.py, b = 1) is priced 0.93 (H100) and 0.74 (B200) of that figure: the two sources disagree on the B200
+(XLA's single GEMMs top out at 1,417 TFLOP/s where mamf-finder measured 1,745), and the held-out LlamaMLP timings
+on a B200 (docs/time.md: 0.97-1.05 of measured) side with the table's level, so it is kept. Elsewhere (Ampere) a call costs its FLOPs over the core efficiency times its wave efficiency, plus the
 write of its output, both arithmetic on published facts, not fits:
 - waves: a GEMM runs as output tiles of 128 x 256 (either way round) spread over the SMs; the last wave of a
   problem whose tile count is not a multiple of the SMs runs partly empty (wave quantization: NVIDIA's "Matrix
