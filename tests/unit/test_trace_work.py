@@ -444,3 +444,30 @@ def test_the_same_step_traced_twice_has_the_same_dependencies():
     # the schedule must not depend on which addresses earlier projections in the process left free
     first, again = (_dependencies(_projected_trace("activation_checkpointing = true\n")) for _ in range(2))
     assert first == again
+
+
+def test_a_flash_backends_masked_call_counts_what_its_flash_path_computes():
+    # A flash_attention_2 point runs as sdpa (projection.runs_as); where its model hands SDPA a mask (a sliding
+    # window, packed documents) transformers' flash path calls the kernel causal with a window, or varlen per
+    # document (_flash_attention_forward): counted so, forward and backward, not as the mask's whole square.
+    from cpbench.harness.project.projection import project_rank
+    from cpbench.harness.suite.spec import load_suite
+
+    def attention_ops(model, attn, extra=""):
+        text = (f'name = "t"\nmodel = "{model}"\nseq_lens = [512]\ncp_sizes = [1]\nworld_size = 1\n'
+                f'dtype = "bfloat16"\ndevice = "cuda"\nattn_implementations = ["{attn}"]\n'
+                'model_overrides = {num_hidden_layers = 1}\n' + extra)
+        ops = project_rank(load_suite("t.toml", text=text).points()[0], 0, keep_trace=True)["trace"]
+        return [o for o in ops if o.kind.startswith("attention")]
+
+    heads, dim = 4, 16  # the tiny models'
+    window = kernel_flops.pairs_within(512, 512, True, "bottom_right", 63, -1)  # tiny-mistral's sliding window, 64
+    documents = sum(n * (n + 1) // 2 for n in (128, 128, 256))
+    for model, extra, pairs in (("tiny-mistral", "", window),
+                                ("tiny-llama", "documents = [128, 128, 256]\n", documents)):
+        forward, backward = attention_ops(model, "flash_attention_2", extra)
+        assert forward.kind == "attention_forward" and forward.flops == 2 * pairs * heads * 2 * dim, model
+        assert backward.kind == "attention_backward" and backward.flops == 2 * pairs * heads * 5 * dim, model
+    # SDPA itself runs a masked call on the memory-efficient kernel, which computes the whole square
+    forward = attention_ops("tiny-mistral", "sdpa")[0]
+    assert forward.kind == "attention_efficient_forward" and forward.flops == 2 * 512 * 512 * heads * 2 * dim

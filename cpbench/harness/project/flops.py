@@ -121,9 +121,10 @@ def _at_most(q_len: int, k_len: int, d: int) -> int:
     return (hi - lo) * c + (hi - lo) * (lo + hi - 1) // 2 + (q_len - hi) * k_len
 
 
-def attention(name: str, args, kwargs=None) -> tuple[float, tuple]:
+def attention(name: str, args, kwargs=None, flash: tuple | None = None) -> tuple[float, tuple]:
     """(FLOPs, shape) of one attention kernel call. `shape`: (queries, keys per query as the kernel loops over them,
-    head dim, causal, batch x heads): what efficiency.py reads the kernel's efficiency curve at."""
+    head dim, causal, batch x heads): what efficiency.py reads the kernel's efficiency curve at. `flash`: a model's
+    masked SDPA call that stands for its flash path, as `flash_as_called` describes it (the mask is not read)."""
     spec = ATTENTION[name]
     q, k, v = (args[1], args[2], args[3]) if spec.direction == "backward" else (args[0], args[1], args[2])
     flag = _arg(spec.causal, args, kwargs, 0)
@@ -138,6 +139,10 @@ def attention(name: str, args, kwargs=None) -> tuple[float, tuple]:
         heads, d_qk = q.shape[-2], q.shape[-1]
         lengths = _lengths(spec, args, q, k)
     left, right = (_size(_arg(w, args, kwargs)) for w in spec.window) if spec.window else (-1, -1)
+    if flash is not None:
+        causal, left, documents = flash
+        align, right = _BR, -1
+        lengths = [(n, n) for n in documents] if documents else lengths
     pairs = [pairs_within(a, b, causal, align, left, right) for a, b in lengths]
     if left >= 0:  # a sliding window: the keys its kernel loops over are the window's, not the sequence's
         band = left + 1 + (0 if causal else right if right >= 0 else max(b for _, b in lengths))
@@ -149,6 +154,25 @@ def attention(name: str, args, kwargs=None) -> tuple[float, tuple]:
     q_mean = sum(p * a for p, (a, _) in zip(pairs, lengths)) / total  # pair-weighted: where the work is
     k_mean = sum(p * b for p, (_, b) in zip(pairs, lengths)) / total
     return flops, (q_mean, k_mean, d_qk, causal, len(lengths) * heads)
+
+
+def flash_as_called(module, key_len: int, sliding_window, position_ids) -> tuple:
+    """What transformers' flash path hands the kernel for an attention call (modeling_flash_attention_utils,
+    _flash_attention_forward): (causal: the module's `is_causal`; the window's left size: `sliding_window` - 1 where
+    the keys outrun it, its right side hidden by causality; the documents' lengths where `position_ids` restart in a
+    batch of one, its varlen form (_is_packed_sequence, prepare_fa_kwargs_from_position_ids), else None)."""
+    causal = bool(getattr(module, "is_causal", True))
+    left = sliding_window - 1 if sliding_window is not None and key_len > sliding_window else -1
+    documents = None
+    if position_ids is not None and position_ids.dim() == 2 and position_ids.shape[0] == 1:
+        try:  # known in a projection: the batch's own positions
+            pos = _values(position_ids)[0]
+        except Exception:  # noqa: BLE001 - unknown positions: one sequence
+            pos = []
+        starts = [i for i, p in enumerate(pos) if p == min(pos)]
+        if len(starts) > 1:
+            documents = [b - a for a, b in zip(starts, starts[1:] + [len(pos)])]
+    return causal, left, documents
 
 
 def _size(value) -> int:

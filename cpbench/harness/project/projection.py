@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from cpbench.harness.measure import step
 from cpbench.harness.measure.probes import memory_probe
+from cpbench.harness.project import flops
 from cpbench.harness.project.timing import simulate
 from cpbench.harness.project.trace import StepTrace
 from cpbench.harness.suite.spec import Point
@@ -119,6 +120,29 @@ def runs_as(point: Point) -> Point:
     return replace(point, attn_implementation="sdpa") if point.attn_implementation in PRICED_AS else point
 
 
+@contextlib.contextmanager
+def flash_view(trace):
+    """While a flash backend's point runs as sdpa: each model attention call tells `trace` what its flash path would
+    hand the kernel (flops.flash_as_called), which a masked SDPA call is counted by, not by its mask's square."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        trace.flash_call = flops.flash_as_called(module, key.shape[-2], kwargs.get("sliding_window"),
+                                                 kwargs.get("position_ids"))
+        try:
+            return sdpa(module, query, key, value, attention_mask, **kwargs)
+        finally:
+            trace.flash_call = None
+
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = attention
+    try:
+        yield
+    finally:
+        ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa
+
+
 def pricing_of(point: Point) -> str:
     """How a projection prices `point`'s step (the row's `projected_pricing`)."""
     if point.attn_implementation in PRICED_AS:
@@ -152,9 +176,11 @@ def project_rank(point: Point, rank: int, hardware=None, gpus_per_node: int = 8,
             trace = (StepTrace(probe.host, gpus_per_node, attention_family=family)
                      if hardware is not None or keep_trace else None)
             hooks = trace.optimizer_hooks(optimizer) + trace.checkpoint_hooks(model) if trace else []
+            viewed = flash_view(trace) if trace is not None and family is not None else contextlib.nullcontext()
             try:  # the optimizer's are torch's global hooks: removed whatever the step does
-                comm = step.tracked_steps(point, model, optimizer, batch, probe, steps=1,  # fake steps are identical
-                                          last=[trace] if trace else [])
+                with viewed:  # fake steps are identical: one is traced
+                    comm = step.tracked_steps(point, model, optimizer, batch, probe, steps=1,
+                                              last=[trace] if trace else [])
             finally:
                 for h in hooks:
                     h.remove()

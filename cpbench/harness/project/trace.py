@@ -115,6 +115,10 @@ class StepTrace(TorchDispatchMode):
         self._generation: dict[int, int] = {}
         self.ledger = ledger
         self._entered = False
+        # A flash backend's model calls SDPA here with a mask where its flash path would call the kernel causal, with
+        # a window or per document: the call's flash view (flops.flash_as_called), which the projection sets around
+        # each model call (projection.flash_view), kept for its backward by its output
+        self.flash_call, self._flash_of = None, {}
         if ledger is not None:
             ledger.listeners.append(self._moved)
 
@@ -232,7 +236,13 @@ class StepTrace(TorchDispatchMode):
                 family = self.attention_family
             elif family == "_sdpa" and _arg(func, args, kwargs, "attn_mask") is not None:
                 family = "_efficient"  # the model's own SDPA call with a mask: CUDA's SDPA takes this kernel
-            count, shape = flops.attention(name, args, kwargs)
+            flash = None
+            if self.attention_family is not None and spec.family == "_sdpa" and _arg(func, args, kwargs, "attn_mask") \
+                    is not None:  # the flash path's view of the call, not its mask's square
+                flash = self.flash_call if spec.direction == "forward" else self._flash_of.get(self._key(args[4]))
+            count, shape = flops.attention(name, args, kwargs, flash)
+            if flash is not None and spec.direction == "forward" and outputs:
+                self._flash_of[self._key(outputs[0])] = flash
             kind = f"attention{family}_{spec.direction}"
         else:
             kind, count = "memory", 0.0
