@@ -77,30 +77,34 @@ def test_collectives_cost_their_ring_algorithm_bytes_over_the_link_they_cross():
     assert collective_seconds("all_gather", mb, 1, False, HW) == 0.0  # a group of one moves nothing
 
 
-def test_a_collective_across_nodes_spreads_what_crosses_over_every_gpus_link():
-    # 16 ranks on 2 nodes of 8, each GPU with its own 10 GB/s link (10 us a hop); NVLink 100 GB/s beside it
-    mb = 8e6
-    # all-reduce of 8 MB: each node sends and receives 2 x 1/2 of it, spread over its 8 links: 1 MB each = 100 us,
-    # + 2 x 15 hops of 10 us; the ring's traffic inside the node, 2 x 15/16 x 8 MB at 100 GB/s = 150 us, beside it
-    assert collective_seconds("all_reduce", mb, 16, True, HW, nodes=2) == pytest.approx(100e-6 + 30e-5)
-    fast = dataclasses.replace(HW, inter_node_latency_s=0.0)  # without the hops' latency NVLink's part is longer
-    assert collective_seconds("all_reduce", mb, 16, True, fast, nodes=2) == pytest.approx(150e-6)
-    slow = dataclasses.replace(HW, inter_node_bytes_per_s=1e9)  # a 1 GB/s link: the network bounds it
-    assert collective_seconds("all_reduce", mb, 16, True, slow, nodes=2) == pytest.approx(1e-3 + 30 * 1e-5)
-    # all-gather of 1 MB shards over 4 nodes of 4: each GPU's link brings in the 3 other nodes' shards of its
-    # position (3 MB, 3 ms at 1 GB/s); reduce-scatter of 16 MB: 3/4 of it leaves each node over 4 links (3 MB)
-    assert collective_seconds("all_gather", 1e6, 16, True, slow, nodes=4) == pytest.approx(3e-3 + 15e-5)
-    assert collective_seconds("reduce_scatter", 16e6, 16, True, slow, nodes=4) == pytest.approx(3e-3 + 15e-5)
-    # all-to-all: 3/4 of the input goes to other nodes through the rank's own link
+def test_a_collective_across_nodes_runs_one_ring_a_gpu_of_the_node_each_through_its_own_link():
+    # 16 ranks on 2 nodes of 8, each GPU with its own link (10 us a hop); NVLink 100 GB/s beside it
+    mb, slow = 8e6, dataclasses.replace(HW, inter_node_bytes_per_s=1e9)  # 1 GB/s links: the network bounds it
+    # all-reduce of 8 MB: a ring moves 2 x 15/16 x 8 MB = 15 MB through each of its links; 8 rings share it, each
+    # leaving a node through another GPU's link: 1.875 MB a link = 1.875 ms, + 2 x 15 hops
+    assert collective_seconds("all_reduce", mb, 16, True, slow, nodes=2) == pytest.approx(1.875e-3 + 30e-5)
+    # with 10 GB/s links: 187.5 us and 30 hops of 10 us, longer than the ring's 15 MB over NVLink (150 us); with
+    # 20 GB/s links and no hop latency, NVLink's 150 us bounds it
+    assert collective_seconds("all_reduce", mb, 16, True, HW, nodes=2) == pytest.approx(187.5e-6 + 30e-5)
+    fast = dataclasses.replace(HW, inter_node_latency_s=0.0, inter_node_bytes_per_s=20e9)
+    assert collective_seconds("all_reduce", mb, 16, True, fast, nodes=2) == pytest.approx(150e-6)  # NVLink's
+    # all-gather of 1 MB shards over 4 nodes of 4: 15 MB through a ring's links over 4 rings; a reduce-scatter of
+    # 16 MB: 15/16 of it, over 4
+    assert collective_seconds("all_gather", 1e6, 16, True, slow, nodes=4) == pytest.approx(15e-3 / 4 + 15e-5)
+    assert collective_seconds("reduce_scatter", 16e6, 16, True, slow, nodes=4) == pytest.approx(15e-3 / 4 + 15e-5)
+    # all-to-all: what goes to the other nodes' 12 ranks leaves through the rank's own link
     assert collective_seconds("all_to_all", 8e6, 16, True, slow, nodes=4) == pytest.approx(6e-3 + 15e-5)
-    # the nodes unknown: one rank a node, the whole ring through each link (what the naive model prices)
+    # a group spread unevenly (2 and 4 ranks): the node with 2 has 2 links for the rings
+    assert collective_seconds("all_gather", 1e6, 6, True, slow, nodes=2, fewest=2) == pytest.approx(5e-3 / 2 + 5e-5)
+    assert collective_seconds("all_to_all", 6e6, 6, True, slow, nodes=2, fewest=2) == pytest.approx(4e-3 + 5e-5)
+    # the nodes unknown: one rank a node, the whole ring through each link
     assert collective_seconds("all_reduce", mb, 16, True, slow) == pytest.approx(2 * 15 / 16 * 8e-3 + 30e-5)
 
 
 def test_the_b200_profile_prices_the_cross_node_all_reduces_its_network_figure_was_read_from():
     """ml-engineering network/README.md, 4 nodes of 8 B200 over EFA v4: all_reduce busbw by payload, from which the
-    profile's `inter_node` (36.5 GB/s of each GPU's 50) was derived; the payloads an FSDP step's collectives move
-    (128 MiB and up) are priced within 10 % (the hops' assumed latency makes 16 MiB slow, 1.44 x)."""
+    profile's `inter_node` (47.2 GB/s of each GPU's 50) was read; the payloads an FSDP step's collectives move
+    (128 MiB and up) are priced within 10 % (the hops' assumed latency makes 16 MiB slow)."""
     hw = hardware.load("b200")
     for payload, busbw in {128 << 20: 197.94, 1 << 30: 361.99, 4 << 30: 377.34, 16 << 30: 381.80}.items():
         measured = payload * 2 * 31 / 32 / (busbw * 1e9)

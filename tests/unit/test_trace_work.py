@@ -471,3 +471,27 @@ def test_a_flash_backends_masked_call_counts_what_its_flash_path_computes():
     # SDPA itself runs a masked call on the memory-efficient kernel, which computes the whole square
     forward = attention_ops("tiny-mistral", "sdpa")[0]
     assert forward.kind == "attention_efficient_forward" and forward.flops == 2 * 512 * 512 * heads * 2 * dim
+
+
+def test_the_flash_paths_view_of_a_call_is_transformers_own():
+    # transformers' flash path: the call's is_causal before the module's, a window of sliding_window - 1 on each
+    # side where the keys outrun it (the right one hidden by causality), varlen per document where a batch of
+    # one's positions restart
+    class Attention:
+        is_causal = True
+
+    view = kernel_flops.flash_as_called
+    assert view(Attention(), 512, 64, None) == (True, 63, -1, None)
+    assert view(Attention(), 512, 64, None, is_causal=False) == (False, 63, 63, None)
+    assert view(Attention(), 64, 64, None) == (True, -1, -1, None)  # the keys within the window: no window
+    positions = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]])
+    assert view(Attention(), 9, None, positions)[3] == [3, 2, 4]
+    assert view(Attention(), 9, None, torch.arange(9)[None])[3] is None  # one document
+    assert view(Attention(), 9, None, positions.expand(2, 9))[3] is None  # a batch of two is not varlen
+    # a window on a call that is not causal reaches both ways: query i sees keys i - 63 .. i + 63
+    q = torch.empty(1, 2, 512, 8, device="meta")
+    call = (q, q, q, 0.0, False)
+    flops = kernel_flops.attention("aten._scaled_dot_product_flash_attention_for_cpu", call, None,
+                                   view(Attention(), 512, 64, None, is_causal=False))[0]
+    both = sum(min(511, i + 63) - max(0, i - 63) + 1 for i in range(512))
+    assert flops == 2 * both * 2 * 16

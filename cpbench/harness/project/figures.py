@@ -22,8 +22,8 @@ HOW = {
               "eager references) timed on that GPU by `results/gpu/elementwise_bench.py`, and the same fit",
     "host": "torch's per-tensor AdamW on the host, timed over a model's parameters, against STREAM's triad",
     "host_gb_s": "STREAM (triad) on the GPU node's host with every socket, over the GPUs that share it",
-    "inter_node": "nccl-tests all_reduce_perf across two nodes of 8 GPUs at 1-4 GiB: its bus bandwidth x (nodes - 1) / "
-                  "(ranks - 1) (each GPU's link's rate) over a link's peak",
+    "inter_node": "nccl-tests all_reduce_perf across two nodes of 8 GPUs at 1-4 GiB: its bus bandwidth over a node's 8 "
+                  "links (each link's rate) over a link's peak",
     "intra_node_latency_s": "nccl-tests all_reduce_perf at 8 B inside a node (its time is the latency)",
     "inter_node_latency_s": "nccl-tests all_reduce_perf at 8 B across two nodes",
     "intra_node": "nccl-tests all_reduce_perf over the node's GPUs at 1-4 GiB (bus bandwidth)",

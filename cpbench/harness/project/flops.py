@@ -140,8 +140,8 @@ def attention(name: str, args, kwargs=None, flash: tuple | None = None) -> tuple
         lengths = _lengths(spec, args, q, k)
     left, right = (_size(_arg(w, args, kwargs)) for w in spec.window) if spec.window else (-1, -1)
     if flash is not None:
-        causal, left, documents = flash
-        align, right = _BR, -1
+        causal, left, right, documents = flash
+        align = _BR
         lengths = [(n, n) for n in documents] if documents else lengths
     pairs = [pairs_within(a, b, causal, align, left, right) for a, b in lengths]
     if left >= 0:  # a sliding window: the keys its kernel loops over are the window's, not the sequence's
@@ -156,23 +156,26 @@ def attention(name: str, args, kwargs=None, flash: tuple | None = None) -> tuple
     return flops, (q_mean, k_mean, d_qk, causal, len(lengths) * heads)
 
 
-def flash_as_called(module, key_len: int, sliding_window, position_ids) -> tuple:
-    """What transformers' flash path hands the kernel for an attention call (modeling_flash_attention_utils,
-    _flash_attention_forward): (causal: the module's `is_causal`; the window's left size: `sliding_window` - 1 where
-    the keys outrun it, its right side hidden by causality; the documents' lengths where `position_ids` restart in a
-    batch of one, its varlen form (_is_packed_sequence, prepare_fa_kwargs_from_position_ids), else None)."""
-    causal = bool(getattr(module, "is_causal", True))
-    left = sliding_window - 1 if sliding_window is not None and key_len > sliding_window else -1
+def flash_as_called(module, key_len: int, sliding_window, position_ids, is_causal=None) -> tuple:
+    """What transformers' flash path hands the kernel for an attention call (integrations/flash_attention.py,
+    modeling_flash_attention_utils.py: _flash_attention_forward): (causal: the call's `is_causal`, else the
+    module's; the window's left and right sizes: `sliding_window` - 1 each where the keys outrun it, the right one
+    hidden by causality; the documents' lengths where `position_ids` restart in a batch of one, its varlen form
+    (_is_packed_sequence, prepare_fa_kwargs_from_position_ids), else None). A padded batch's rows are counted
+    whole: the flash path unpads them (_upad_input), so its pairs are an upper bound."""
+    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    window = sliding_window - 1 if sliding_window is not None and key_len > sliding_window else -1
     documents = None
     if position_ids is not None and position_ids.dim() == 2 and position_ids.shape[0] == 1:
-        try:  # known in a projection: the batch's own positions
-            pos = _values(position_ids)[0]
+        try:  # known in a projection: the batch's own positions, read on the real tensor, which no mode may see
+            with _disable_current_modes():
+                pos = _constant(position_ids)[0]
+                starts, total = torch.nonzero(pos == pos.min()).flatten().tolist(), pos.numel()
         except Exception:  # noqa: BLE001 - unknown positions: one sequence
-            pos = []
-        starts = [i for i, p in enumerate(pos) if p == min(pos)]
+            starts = []
         if len(starts) > 1:
-            documents = [b - a for a, b in zip(starts, starts[1:] + [len(pos)])]
-    return causal, left, documents
+            documents = [b - a for a, b in zip(starts, starts[1:] + [total])]
+    return causal, window, -1 if causal else window, documents
 
 
 def _size(value) -> int:
@@ -195,6 +198,16 @@ def _lengths(spec: Attention, args, q, k) -> list[tuple[int, int]]:
     if q.dim() == 4:
         return [(q.shape[1], k.shape[1])] * q.shape[0]
     return [(q.shape[0], k.shape[0])]
+
+
+def _constant(t: torch.Tensor) -> torch.Tensor:
+    """A fake tensor's known values, as the real tensor it carries (a real tensor as it is)."""
+    constant = getattr(t, "constant", None)
+    if constant is None:
+        if type(t) is not torch.Tensor:
+            raise ValueError("a fake tensor without known values")
+        return t
+    return constant
 
 
 def _values(t: torch.Tensor) -> list:

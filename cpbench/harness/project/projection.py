@@ -126,11 +126,13 @@ def flash_view(trace):
     hand the kernel (flops.flash_as_called), which a masked SDPA call is counted by, not by its mask's square."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    sdpa, local = ALL_ATTENTION_FUNCTIONS["sdpa"], ALL_ATTENTION_FUNCTIONS._local_mapping.get("sdpa")
 
     def attention(module, query, key, value, attention_mask, **kwargs):
+        if attention_mask is None:  # an unmasked call is counted by its own is_causal
+            return sdpa(module, query, key, value, attention_mask, **kwargs)
         trace.flash_call = flops.flash_as_called(module, key.shape[-2], kwargs.get("sliding_window"),
-                                                 kwargs.get("position_ids"))
+                                                 kwargs.get("position_ids"), kwargs.get("is_causal"))
         try:
             return sdpa(module, query, key, value, attention_mask, **kwargs)
         finally:
@@ -139,8 +141,11 @@ def flash_view(trace):
     ALL_ATTENTION_FUNCTIONS["sdpa"] = attention
     try:
         yield
-    finally:
-        ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa
+    finally:  # as it was: a local override kept, none left behind to shadow a later global registration
+        if local is None:
+            del ALL_ATTENTION_FUNCTIONS["sdpa"]
+        else:
+            ALL_ATTENTION_FUNCTIONS["sdpa"] = local
 
 
 def pricing_of(point: Point) -> str:

@@ -39,43 +39,37 @@ BREAKDOWN = ("compute_s", "optimizer_s", "comm_exposed_s", "transfer_exposed_s",
 
 
 def collective_seconds(kind: str, nbytes: float, group: int, crosses_nodes: bool, hw: Hardware,
-                       nodes: int | None = None) -> float:
+                       nodes: int | None = None, fewest: int | None = None) -> float:
     """One collective of `group` ranks: `nbytes` is what this rank hands to it (an all-gather's shard, the whole
     input of a reduce-scatter, all-to-all or all-reduce, a received block for point-to-point). NCCL reaches its
     large-message bus bandwidth only on large messages: at `*_half_bytes` (nccl-tests' size: an all-gather's whole
     output, the others' input) it moves at half of it.
 
-    Across `nodes` nodes (`group` / `nodes` ranks on each, every GPU with a network link of its own: an HGX node's
-    8 NICs), NCCL keeps every link busy at once: what must leave or enter a node is spread over its GPUs' links, so
-    each carries (the node's share of) the bytes that cross, not the whole ring's. Per GPU's link: an all-gather
-    brings in the other nodes' shards, (nodes - 1) x shard; a reduce-scatter (nodes - 1) / nodes of its input over
-    the node's ranks, an all-reduce twice that; an all-to-all sends what goes to other nodes, (nodes - 1) / nodes of
-    its input. The same collective's traffic inside the node (the whole ring's, at NVLink speed) runs beside it and
-    bounds it where the network is fast. ml-engineering network/README.md sets this against the 'naive' model that
-    pushes the ring's bytes through one link, and derives its per-GPU rates so (B200 over EFA: busbw x (nodes - 1) /
-    (ranks - 1)). `nodes` unknown: one rank per node (every ring step crosses a link)."""
+    Across nodes (`nodes` of them, `fewest` of the group's ranks on the emptiest), every GPU of an HGX node has a
+    network link of its own, and NCCL's ring algorithm runs as many rings (channels) as a node has ranks, each
+    leaving the node through another GPU's link: a link carries the ring's bytes over the ranks its node has, not
+    the whole ring's (ml-engineering network/README.md: NCCL ran Ring across its 4 H200 nodes; its B200 figure is
+    read so, busbw over the node's links), and the same ring's bytes over NVLink bound it where the network is
+    fast. An all-to-all sends what goes to other nodes through the rank's own link. `nodes` unknown: one rank a
+    node (every ring step crosses a link)."""
     if group <= 1 and kind != "p2p":
         return 0.0
+    nvlink = hw.intra_node_bytes_per_s * hw.efficiency["intra_node"]
     if not crosses_nodes:
-        return _ring_seconds(kind, nbytes, group, hw.intra_node_bytes_per_s * hw.efficiency["intra_node"],
-                             hw.intra_node_latency_s, hw.intra_node_half_bytes)
-    k = min(max(nodes or group, 2), group) if kind != "p2p" else 2
-    g = group / k
-    link, latency, half = (hw.inter_node_bytes_per_s * hw.efficiency["inter_node"], hw.inter_node_latency_s,
-                           hw.inter_node_half_bytes)
-    size = nbytes * group if kind == "all_gather" else nbytes
-    bw = link * size / (size + half) if size else link
-    crossing = {"all_gather": (k - 1) * nbytes, "reduce_scatter": (k - 1) / k * nbytes / g,
-                "all_reduce": 2 * (k - 1) / k * nbytes / g, "all_to_all": (k - 1) / k * nbytes, "p2p": nbytes}
-    if kind not in crossing:
-        raise ValueError(f"unknown collective kind {kind!r}")
-    hops = 1 if kind == "p2p" else (2 if kind == "all_reduce" else 1) * (group - 1)
-    network = crossing[kind] / bw + latency * hops if crossing[kind] else 0.0
-    if kind == "p2p" or g <= 1:
-        return network
-    inside = _ring_seconds(kind, nbytes, group, hw.intra_node_bytes_per_s * hw.efficiency["intra_node"], 0.0,
-                           hw.intra_node_half_bytes)
-    return max(network, inside)
+        return _ring_seconds(kind, nbytes, group, nvlink, hw.intra_node_latency_s, hw.intra_node_half_bytes)
+    link = hw.inter_node_bytes_per_s * hw.efficiency["inter_node"]
+    if kind == "p2p" or not nodes or nodes >= group:
+        return _ring_seconds(kind, nbytes, group, link, hw.inter_node_latency_s, hw.inter_node_half_bytes)
+    rings = max(1, min(fewest or group // nodes, group // nodes))
+    if kind == "all_to_all":  # to the other nodes' ranks, through its own link
+        size = nbytes
+        bw = link * size / (size + hw.inter_node_half_bytes) if size else link
+        network = (group - rings) / group * nbytes / bw + hw.inter_node_latency_s * (group - 1)
+    else:
+        ring = _ring_seconds(kind, nbytes, group, link, hw.inter_node_latency_s, hw.inter_node_half_bytes)
+        latency = hw.inter_node_latency_s * (group - 1) * (2 if kind == "all_reduce" else 1)
+        network = (ring - latency) / rings + latency
+    return max(network, _ring_seconds(kind, nbytes, group, nvlink, 0.0, hw.intra_node_half_bytes))
 
 
 def _ring_seconds(kind: str, nbytes: float, group: int, link: float, latency: float, half: float) -> float:
@@ -115,7 +109,8 @@ def op_seconds(op: Op, hw: Hardware, dtype: str) -> float:
     if op.kind in ("h2d", "d2h"):
         return op.bytes / (hw.pcie_bytes_per_s * hw.efficiency["pcie"])
     if op.kind in COLLECTIVE_KINDS:
-        return collective_seconds(op.kind, op.bytes, op.group, op.crosses_nodes, hw, op.nodes)
+        return collective_seconds(op.kind, op.bytes, op.group, op.crosses_nodes, hw, op.nodes or None,
+                                  op.fewest or None)
     if op.stream == "host":
         return op.bytes / (hw.host_bytes_per_s * hw.efficiency["host"])
     if op.kind in ("memory", "copy_out"):  # an element-wise kernel: its ramp too, and a strided one unvectorized

@@ -19,6 +19,8 @@ Streams, as cpbench's code and the libraries under it schedule the work:
 
 from __future__ import annotations
 
+from collections import Counter
+
 import warnings
 
 from typing import NamedTuple
@@ -47,7 +49,8 @@ class Op(NamedTuple):
     writes: tuple
     group: int = 1  # a collective's group size
     crosses_nodes: bool = False
-    nodes: int = 1  # the nodes a collective's group spans (its ranks spread evenly over them)
+    nodes: int = 0  # the nodes a collective's group spans (0: not said)
+    fewest: int = 0  # the fewest of its ranks on one of them
     name: str = ""  # the aten (or library) op, e.g. "aten.mm"
     # what a kernel's efficiency depends on (flops.py): a GEMM's (m, n, k, groups), an attention call's (queries,
     # keys, head dim, causal, batch x heads)
@@ -280,6 +283,7 @@ class StepTrace(TorchDispatchMode):
     def _collective(self, op_name: str, kind: str, args, kwargs, outputs) -> None:
         size, ranks = _group(args, kwargs)
         nodes = {r // self.gpus_per_node for r in ranks}
+        per_node = Counter(r // self.gpus_per_node for r in ranks)
         functional = op_name.startswith("_c10d_functional")
         sent_at = 0 if functional or kind in ("p2p", "all_reduce") else 1
         receive, send = op_name.startswith("c10d::recv"), op_name == "c10d::send"
@@ -292,7 +296,8 @@ class StepTrace(TorchDispatchMode):
         # the received block waits for it; the send is free.
         nbytes = _nbytes(written) if receive else 0 if send else _nbytes(sent)
         self.ops.append(Op(stream, kind, self.phase, 0.0, float(nbytes), reads, tuple({self._key(t) for t in written}),
-                           size, len(nodes) > 1, nodes=max(len(nodes), 1), backward=_in_backward()))
+                           size, len(nodes) > 1, nodes=len(nodes), fewest=min(per_node.values(), default=0),
+                           backward=_in_backward()))
         for t in written:
             self._stream_of[self._key(t)] = stream
 
