@@ -495,3 +495,33 @@ def test_the_flash_paths_view_of_a_call_is_transformers_own():
                                    view(Attention(), 512, 64, None, is_causal=False))[0]
     both = sum(min(511, i + 63) - max(0, i - 63) + 1 for i in range(512))
     assert flops == 2 * both * 2 * 16
+
+
+def test_values_of_another_head_dim_run_a_fused_kernel_in_a_cuda_projection(tmp_path):
+    # multi-head latent attention (DeepSeek: q/k 192, v 128): CUDA's SDPA runs a fused kernel; torch's CPU flash
+    # kernel wants one head dim, and the math path would count S x S GEMMs and hold the scores. A CUDA point's values
+    # are padded to the queries' head dim for the call (projection.values_padded), as transformers' flash path pads
+    from transformers import DeepseekV3Config
+
+    from cpbench.harness.project.projection import project_rank
+    from cpbench.harness.suite.spec import load_suite
+
+    DeepseekV3Config(vocab_size=128, hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
+                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+                     num_experts_per_tok=2, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=32,
+                     qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, max_position_embeddings=1024,
+                     n_group=1, topk_group=1).save_pretrained(tmp_path)
+
+    def trace(device):
+        text = (f'name = "t"\nmodel = "{tmp_path}"\nseq_lens = [512]\ncp_sizes = [1]\nworld_size = 1\n'
+                f'dtype = "bfloat16"\ndevice = "{device}"\n')
+        return project_rank(load_suite("t.toml", text=text).points()[0], 0, keep_trace=True)["trace"]
+
+    ops = trace("cuda")
+    attention = [o for o in ops if o.kind.startswith("attention")]
+    square = [o for o in ops if o.kind == "gemm" and o.shape[:2] == (512, 512)]
+    assert len(attention) == 4 and not square  # two layers' forward and backward, no S x S product
+    forward = next(o for o in attention if o.kind.endswith("_forward"))
+    assert forward.flops == 2 * (512 * 513 // 2) * 4 * (16 + 16)  # causal, at the padded head dim
+    # a CPU point runs what the CPU runs: SDPA's math path, its S x S products
+    assert any(o.kind == "gemm" and o.shape[:2] == (512, 512) for o in trace("cpu"))

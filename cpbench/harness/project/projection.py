@@ -148,6 +148,35 @@ def flash_view(trace):
             ALL_ATTENTION_FUNCTIONS["sdpa"] = local
 
 
+@contextlib.contextmanager
+def values_padded():
+    """While a CUDA point runs on fake CPU tensors: a model's SDPA call whose values have a smaller head dim than its
+    queries and keys (multi-head latent attention: 192 against 128) gets them zero-padded to it and its output cut
+    back, as transformers' flash path (integrations/flash_attention.py) and cpbench's ring pad them. CUDA runs a
+    fused kernel there; torch's CPU flash kernel takes one head dim, and SDPA's math path it would fall back to holds
+    the S x S scores. The call is priced at the padded head dim (its PV product 1.5 times DeepSeek's)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    sdpa, local = ALL_ATTENTION_FUNCTIONS["sdpa"], ALL_ATTENTION_FUNCTIONS._local_mapping.get("sdpa")
+
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        d_v = value.shape[-1]
+        if d_v >= query.shape[-1] or key.shape[-1] != query.shape[-1]:
+            return sdpa(module, query, key, value, attention_mask, **kwargs)
+        padded = torch.nn.functional.pad(value, [0, query.shape[-1] - d_v])
+        out, weights = sdpa(module, query, key, padded, attention_mask, **kwargs)
+        return out[..., :d_v], weights
+
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = attention
+    try:
+        yield
+    finally:  # as it was (flash_view's rule)
+        if local is None:
+            del ALL_ATTENTION_FUNCTIONS["sdpa"]
+        else:
+            ALL_ATTENTION_FUNCTIONS["sdpa"] = local
+
+
 def pricing_of(point: Point) -> str:
     """How a projection prices `point`'s step (the row's `projected_pricing`)."""
     if point.attn_implementation in PRICED_AS:
@@ -182,8 +211,9 @@ def project_rank(point: Point, rank: int, hardware=None, gpus_per_node: int = 8,
                      if hardware is not None or keep_trace else None)
             hooks = trace.optimizer_hooks(optimizer) + trace.checkpoint_hooks(model) if trace else []
             viewed = flash_view(trace) if trace is not None and family is not None else contextlib.nullcontext()
+            padded = values_padded() if point.device == "cuda" else contextlib.nullcontext()
             try:  # the optimizer's are torch's global hooks: removed whatever the step does
-                with viewed:  # fake steps are identical: one is traced
+                with padded, viewed:  # fake steps are identical: one is traced
                     comm = step.tracked_steps(point, model, optimizer, batch, probe, steps=1,
                                               last=[trace] if trace else [])
             finally:
