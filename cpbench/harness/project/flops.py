@@ -187,8 +187,6 @@ def _lengths(spec: Attention, args, q, k) -> list[tuple[int, int]]:
     """(queries, keys) of each sequence: per document where the call has offsets (the memory-efficient kernel's
     varlen form keeps q 4-D, [1, tokens, heads, dim]: meta__efficient_attention_forward), else the batch's."""
     at = spec.offsets_at
-    if q.dim() == 4 and not (at is not None and len(args) > at + 1 and args[at] is not None):
-        return [(q.shape[1], k.shape[1])] * q.shape[0]
     if at is not None and len(args) > at + 1 and args[at] is not None:
         try:  # the offsets are known values in a projection when they derive from the batch's positions
             cq, ck = _values(args[at]), _values(args[at + 1])

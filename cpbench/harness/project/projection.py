@@ -121,60 +121,55 @@ def runs_as(point: Point) -> Point:
 
 
 @contextlib.contextmanager
-def flash_view(trace):
-    """While a flash backend's point runs as sdpa: each model attention call tells `trace` what its flash path would
-    hand the kernel (flops.flash_as_called), which a masked SDPA call is counted by, not by its mask's square."""
+def _sdpa_wrapped(wrap):
+    """transformers' sdpa attention function replaced by `wrap(original)` meanwhile, then as it was: a local
+    override kept, none left behind to shadow a later global registration."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     sdpa, local = ALL_ATTENTION_FUNCTIONS["sdpa"], ALL_ATTENTION_FUNCTIONS._local_mapping.get("sdpa")
-
-    def attention(module, query, key, value, attention_mask, **kwargs):
-        if attention_mask is None:  # an unmasked call is counted by its own is_causal
-            return sdpa(module, query, key, value, attention_mask, **kwargs)
-        trace.flash_call = flops.flash_as_called(module, key.shape[-2], kwargs.get("sliding_window"),
-                                                 kwargs.get("position_ids"), kwargs.get("is_causal"))
-        try:
-            return sdpa(module, query, key, value, attention_mask, **kwargs)
-        finally:
-            trace.flash_call = None
-
-    ALL_ATTENTION_FUNCTIONS["sdpa"] = attention
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = wrap(sdpa)
     try:
         yield
-    finally:  # as it was: a local override kept, none left behind to shadow a later global registration
+    finally:
         if local is None:
             del ALL_ATTENTION_FUNCTIONS["sdpa"]
         else:
             ALL_ATTENTION_FUNCTIONS["sdpa"] = local
 
 
-@contextlib.contextmanager
+def flash_view(trace):
+    """While a flash backend's point runs as sdpa: each masked model attention call tells `trace` what its flash path
+    would hand the kernel (flops.flash_as_called), which the call is counted by, not by its mask's square."""
+    def wrap(sdpa):
+        def attention(module, query, key, value, attention_mask, **kwargs):
+            if attention_mask is None:  # an unmasked call is counted by its own is_causal
+                return sdpa(module, query, key, value, attention_mask, **kwargs)
+            trace.flash_call = flops.flash_as_called(module, key.shape[-2], kwargs.get("sliding_window"),
+                                                     kwargs.get("position_ids"), kwargs.get("is_causal"))
+            try:
+                return sdpa(module, query, key, value, attention_mask, **kwargs)
+            finally:
+                trace.flash_call = None
+        return attention
+    return _sdpa_wrapped(wrap)
+
+
 def values_padded():
     """While a CUDA point runs on fake CPU tensors: a model's SDPA call whose values have a smaller head dim than its
     queries and keys (multi-head latent attention: 192 against 128) gets them zero-padded to it and its output cut
     back, as transformers' flash path (integrations/flash_attention.py) and cpbench's ring pad them. CUDA runs a
     fused kernel there; torch's CPU flash kernel takes one head dim, and SDPA's math path it would fall back to holds
     the S x S scores. The call is priced at the padded head dim (its PV product 1.5 times DeepSeek's)."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    sdpa, local = ALL_ATTENTION_FUNCTIONS["sdpa"], ALL_ATTENTION_FUNCTIONS._local_mapping.get("sdpa")
-
-    def attention(module, query, key, value, attention_mask, **kwargs):
-        d_v = value.shape[-1]
-        if d_v >= query.shape[-1] or key.shape[-1] != query.shape[-1]:
-            return sdpa(module, query, key, value, attention_mask, **kwargs)
-        padded = torch.nn.functional.pad(value, [0, query.shape[-1] - d_v])
-        out, weights = sdpa(module, query, key, padded, attention_mask, **kwargs)
-        return out[..., :d_v], weights
-
-    ALL_ATTENTION_FUNCTIONS["sdpa"] = attention
-    try:
-        yield
-    finally:  # as it was (flash_view's rule)
-        if local is None:
-            del ALL_ATTENTION_FUNCTIONS["sdpa"]
-        else:
-            ALL_ATTENTION_FUNCTIONS["sdpa"] = local
+    def wrap(sdpa):
+        def attention(module, query, key, value, attention_mask, **kwargs):
+            d_v = value.shape[-1]
+            if d_v >= query.shape[-1] or key.shape[-1] != query.shape[-1]:
+                return sdpa(module, query, key, value, attention_mask, **kwargs)
+            padded = torch.nn.functional.pad(value, [0, query.shape[-1] - d_v])
+            out, weights = sdpa(module, query, key, padded, attention_mask, **kwargs)
+            return out[..., :d_v], weights
+        return attention
+    return _sdpa_wrapped(wrap)
 
 
 def pricing_of(point: Point) -> str:

@@ -61,14 +61,11 @@ def collective_seconds(kind: str, nbytes: float, group: int, crosses_nodes: bool
     if kind == "p2p" or not nodes or nodes >= group:
         return _ring_seconds(kind, nbytes, group, link, hw.inter_node_latency_s, hw.inter_node_half_bytes)
     rings = max(1, min(fewest or group // nodes, group // nodes))
-    if kind == "all_to_all":  # to the other nodes' ranks, through its own link
-        size = nbytes
-        bw = link * size / (size + hw.inter_node_half_bytes) if size else link
-        network = (group - rings) / group * nbytes / bw + hw.inter_node_latency_s * (group - 1)
-    else:
-        ring = _ring_seconds(kind, nbytes, group, link, hw.inter_node_latency_s, hw.inter_node_half_bytes)
-        latency = hw.inter_node_latency_s * (group - 1) * (2 if kind == "all_reduce" else 1)
-        network = (ring - latency) / rings + latency
+    ring = _ring_seconds(kind, nbytes, group, link, hw.inter_node_latency_s, hw.inter_node_half_bytes)
+    latency = hw.inter_node_latency_s * (group - 1) * (2 if kind == "all_reduce" else 1)
+    # the share of the whole ring's bytes a link carries: an all-to-all's to the other nodes' ranks, through its own
+    share = (group - rings) / (group - 1) if kind == "all_to_all" else 1 / rings
+    network = (ring - latency) * share + latency
     return max(network, _ring_seconds(kind, nbytes, group, nvlink, 0.0, hw.intra_node_half_bytes))
 
 

@@ -235,13 +235,13 @@ class StepTrace(TorchDispatchMode):
         elif name in flops.ATTENTION:
             spec = flops.ATTENTION[name]
             family = spec.family
+            masked = spec.family == "_sdpa" and _arg(func, args, kwargs, "attn_mask") is not None
             if self.attention_family is not None and family in ("", "_cudnn", "_sdpa"):
                 family = self.attention_family
-            elif family == "_sdpa" and _arg(func, args, kwargs, "attn_mask") is not None:
+            elif masked:
                 family = "_efficient"  # the model's own SDPA call with a mask: CUDA's SDPA takes this kernel
             flash = None
-            if self.attention_family is not None and spec.family == "_sdpa" and _arg(func, args, kwargs, "attn_mask") \
-                    is not None:  # the flash path's view of the call, not its mask's square
+            if self.attention_family is not None and masked:  # the flash path's view of the call, not the mask's
                 flash = self.flash_call if spec.direction == "forward" else self._flash_of.get(self._key(args[4]))
             count, shape = flops.attention(name, args, kwargs, flash)
             if flash is not None and spec.direction == "forward" and outputs:
@@ -282,8 +282,7 @@ class StepTrace(TorchDispatchMode):
 
     def _collective(self, op_name: str, kind: str, args, kwargs, outputs) -> None:
         size, ranks = _group(args, kwargs)
-        nodes = {r // self.gpus_per_node for r in ranks}
-        per_node = Counter(r // self.gpus_per_node for r in ranks)
+        per_node = Counter(r // self.gpus_per_node for r in ranks)  # the group's ranks on each node it spans
         functional = op_name.startswith("_c10d_functional")
         sent_at = 0 if functional or kind in ("p2p", "all_reduce") else 1
         receive, send = op_name.startswith("c10d::recv"), op_name == "c10d::send"
@@ -296,7 +295,7 @@ class StepTrace(TorchDispatchMode):
         # the received block waits for it; the send is free.
         nbytes = _nbytes(written) if receive else 0 if send else _nbytes(sent)
         self.ops.append(Op(stream, kind, self.phase, 0.0, float(nbytes), reads, tuple({self._key(t) for t in written}),
-                           size, len(nodes) > 1, nodes=len(nodes), fewest=min(per_node.values(), default=0),
+                           size, len(per_node) > 1, nodes=len(per_node), fewest=min(per_node.values(), default=0),
                            backward=_in_backward()))
         for t in written:
             self._stream_of[self._key(t)] = stream

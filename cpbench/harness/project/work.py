@@ -20,9 +20,8 @@ WRITE_ONLY = {"aten.copy_", "aten.fill_", "aten.zero_", "aten._foreach_copy_", "
 
 # Factories that take a tensor for its dtype, device or shape only (`new_zeros` is at::zeros(size, self.options()),
 # `zeros_like` empty_like(self).zero_()): they write their output and read nothing
-TEMPLATE = {"aten.new_zeros", "aten.new_ones", "aten.new_full", "aten.new_empty", "aten.new_empty_strided",
-            "aten.zeros_like", "aten.ones_like", "aten.full_like", "aten.empty_like", "aten.rand_like",
-            "aten.randn_like", "aten.randint_like"}
+TEMPLATE = {"aten.new_zeros", "aten.new_ones", "aten.new_full", "aten.zeros_like", "aten.ones_like", "aten.full_like",
+            "aten.rand_like", "aten.randn_like", "aten.randint_like"}
 
 # Gathers: their first argument is read only where they pick (an embedding of a 151,936-row table for 8k tokens
 # reads 8k rows, not the table): it counts at the output's size. `aten.index` is advanced indexing (`x[ids]`).
@@ -111,9 +110,8 @@ def moved_bytes(name: str, args, kwargs, inputs: list, outputs: list, backward: 
         picked = (log_probs.shape[0] if log_probs.dim() == 2 else 1) * log_probs.element_size()
     if name in TEMPLATE:
         inputs = []
-    if name == "fsdp.all_gather_copy_in" and args:  # its inputs copied into this rank's slice of the buffer it is
-        inputs = _flat(args[0])  # handed, whose other slices the all-gather writes: 2 x its inputs (FSDP2's
-        return 2 * sum(map(tensor_bytes, inputs))  # all_gather_copy_in_cuda, one _foreach_copy_)
+    if name == "fsdp.all_gather_copy_in" and args:  # FSDP2's all_gather_copy_in_cuda: one _foreach_copy_ of its
+        return 2 * sum(map(tensor_bytes, _flat(args[0])))  # inputs into this rank's slice of the buffer it is handed
     if backward and name in IN_PLACE_OF:
         name, outputs = IN_PLACE_OF[name], []  # the result is the zeros the put goes into: its rows written only
     if name in SCATTER and args and isinstance(args[0], torch.Tensor):
