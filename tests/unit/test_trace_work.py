@@ -468,6 +468,12 @@ def test_a_flash_backends_masked_call_counts_what_its_flash_path_computes():
         forward, backward = attention_ops(model, "flash_attention_2", extra)
         assert forward.kind == "attention_forward" and forward.flops == 2 * pairs * heads * 2 * dim, model
         assert backward.kind == "attention_backward" and backward.flops == 2 * pairs * heads * 5 * dim, model
+    # a padded batch: the flash path unpads its rows (_upad_input) and runs varlen over each row's own tokens; the
+    # batch pads every other row by a quarter (step.make_batch), none of which a kernel computes
+    for size, rows in ((2, 512 * 513 // 2 + 384 * 385 // 2), (1, 384 * 385 // 2)):
+        forward, backward = attention_ops("tiny-llama", "flash_attention_2",
+                                          f'batch_size = {size}\nbatch_kind = "padded"\n')
+        assert forward.flops == 2 * rows * heads * 2 * dim and backward.flops == 2 * rows * heads * 5 * dim
     # SDPA itself runs a masked call on the memory-efficient kernel, which computes the whole square
     forward = attention_ops("tiny-mistral", "sdpa")[0]
     assert forward.kind == "attention_efficient_forward" and forward.flops == 2 * 512 * 512 * heads * 2 * dim

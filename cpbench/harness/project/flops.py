@@ -156,17 +156,18 @@ def attention(name: str, args, kwargs=None, flash: tuple | None = None) -> tuple
     return flops, (q_mean, k_mean, d_qk, causal, len(lengths) * heads)
 
 
-def flash_as_called(module, key_len: int, sliding_window, position_ids, is_causal=None) -> tuple:
+def flash_as_called(module, key_len: int, sliding_window, position_ids, is_causal=None, rows=None) -> tuple:
     """What transformers' flash path hands the kernel for an attention call (integrations/flash_attention.py,
     modeling_flash_attention_utils.py: _flash_attention_forward): (causal: the call's `is_causal`, else the
     module's; the window's left and right sizes: `sliding_window` - 1 each where the keys outrun it, the right one
-    hidden by causality; the documents' lengths where `position_ids` restart in a batch of one, its varlen form
-    (_is_packed_sequence, prepare_fa_kwargs_from_position_ids), else None). A padded batch's rows are counted
-    whole: the flash path unpads them (_upad_input), so its pairs are an upper bound."""
+    hidden by causality; the sequences of its varlen form, else None). The flash path takes a padded batch's
+    attention mask first: it unpads the rows (_upad_input) and runs varlen over each row's own tokens, `rows` (the
+    mask's sum per row, the padding computed by no one); else a batch of one whose `position_ids` restart runs
+    varlen per document (_is_packed_sequence, prepare_fa_kwargs_from_position_ids)."""
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     window = sliding_window - 1 if sliding_window is not None and key_len > sliding_window else -1
-    documents = None
-    if position_ids is not None and position_ids.dim() == 2 and position_ids.shape[0] == 1:
+    documents = list(rows) if rows is not None else None
+    if documents is None and position_ids is not None and position_ids.dim() == 2 and position_ids.shape[0] == 1:
         try:  # known in a projection: the batch's own positions, read on the real tensor, which no mode may see
             with _disable_current_modes():
                 pos = _constant(position_ids)[0]

@@ -137,15 +137,21 @@ def _sdpa_wrapped(wrap):
             ALL_ATTENTION_FUNCTIONS["sdpa"] = local
 
 
-def flash_view(trace):
+def flash_view(trace, padding=None):
     """While a flash backend's point runs as sdpa: each masked model attention call tells `trace` what its flash path
-    would hand the kernel (flops.flash_as_called), which the call is counted by, not by its mask's square."""
+    would hand the kernel (flops.flash_as_called), which the call is counted by, not by its mask's square.
+    `padding`: a padded batch's (tokens of each row, row length), its attention mask's sums: what the flash path
+    computes of a call over the rows' whole length."""
+    rows, width = padding or (None, None)
+
     def wrap(sdpa):
         def attention(module, query, key, value, attention_mask, **kwargs):
             if attention_mask is None:  # an unmasked call is counted by its own is_causal
                 return sdpa(module, query, key, value, attention_mask, **kwargs)
+            whole = rows is not None and query.shape[0] == len(rows) and key.shape[-2] == width
             trace.flash_call = flops.flash_as_called(module, key.shape[-2], kwargs.get("sliding_window"),
-                                                     kwargs.get("position_ids"), kwargs.get("is_causal"))
+                                                     kwargs.get("position_ids"), kwargs.get("is_causal"),
+                                                     rows if whole else None)
             try:
                 return sdpa(module, query, key, value, attention_mask, **kwargs)
             finally:
@@ -198,6 +204,8 @@ def project_rank(point: Point, rank: int, hardware=None, gpus_per_node: int = 8,
             model = step.distribute(model, point, mesh=mesh, kernel_device=kernel_target_of(point, hardware))
             with unset_fake_temporarily():
                 batch = step.make_batch(point, model.config.vocab_size, "cpu")
+                mask = batch.get("attention_mask")
+                padding = None if mask is None else (mask.sum(-1).tolist(), mask.shape[-1])
             batch = known(mode, batch)
             optimizer = step.make_optimizer(model, point)
             probe = memory_probe("cpu", model, optimizer, None)
@@ -205,7 +213,8 @@ def project_rank(point: Point, rank: int, hardware=None, gpus_per_node: int = 8,
             trace = (StepTrace(probe.host, gpus_per_node, attention_family=family)
                      if hardware is not None or keep_trace else None)
             hooks = trace.optimizer_hooks(optimizer) + trace.checkpoint_hooks(model) if trace else []
-            viewed = flash_view(trace) if trace is not None and family is not None else contextlib.nullcontext()
+            viewed = (flash_view(trace, padding) if trace is not None and family is not None
+                      else contextlib.nullcontext())
             padded = values_padded() if point.device == "cuda" else contextlib.nullcontext()
             try:  # the optimizer's are torch's global hooks: removed whatever the step does
                 with padded, viewed:  # fake steps are identical: one is traced
