@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections import Counter
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -77,3 +78,21 @@ class CollectiveCounter(TorchDispatchMode):
             out[f"comm_{kind}_count"] = self.counts[kind]
             out[f"comm_{kind}_bytes"] = self.bytes[kind]
         return out
+
+
+def group_of(args, kwargs) -> tuple[int, list[int]]:
+    """The size and ranks of the process group a collective op runs on (1, [] where it names none)."""
+    for a in list(args) + list((kwargs or {}).values()):
+        if isinstance(a, torch.ScriptObject) and "ProcessGroup" in str(a._type()):
+            a = dist.ProcessGroup.unbox(a)  # how the dispatcher hands c10d ops their group
+        if isinstance(a, dist.ProcessGroup):
+            return a.size(), dist.get_process_group_ranks(a)
+        if isinstance(a, str):
+            try:
+                from torch.distributed.distributed_c10d import _resolve_process_group
+
+                pg = _resolve_process_group(a)
+                return pg.size(), dist.get_process_group_ranks(pg)
+            except Exception:  # noqa: BLE001 - not a group name
+                continue
+    return 1, []

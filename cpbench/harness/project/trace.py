@@ -26,13 +26,12 @@ import warnings
 from typing import NamedTuple
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from cpbench.cp.recompute import under_op_policy
-from cpbench.harness.measure.collectives import _OPS as COLLECTIVES
+from cpbench.harness.measure.collectives import _OPS as COLLECTIVES, group_of
 from cpbench.harness.project import flops, work
 
 
@@ -79,23 +78,6 @@ def _storage(t: torch.Tensor) -> int:
 
 def _nbytes(ts) -> int:
     return sum(t.numel() * t.element_size() for t in ts)
-
-
-def _group(args, kwargs) -> tuple[int, list[int]]:
-    for a in list(args) + list((kwargs or {}).values()):
-        if isinstance(a, torch.ScriptObject) and "ProcessGroup" in str(a._type()):
-            a = dist.ProcessGroup.unbox(a)  # how the dispatcher hands c10d ops their group
-        if isinstance(a, dist.ProcessGroup):
-            return a.size(), dist.get_process_group_ranks(a)
-        if isinstance(a, str):
-            try:
-                from torch.distributed.distributed_c10d import _resolve_process_group
-
-                pg = _resolve_process_group(a)
-                return pg.size(), dist.get_process_group_ranks(pg)
-            except Exception:  # noqa: BLE001 - not a group name
-                continue
-    return 1, []
 
 
 class StepTrace(TorchDispatchMode):
@@ -235,7 +217,7 @@ class StepTrace(TorchDispatchMode):
         elif name in flops.ATTENTION:
             spec = flops.ATTENTION[name]
             family = spec.family
-            masked = spec.family == "_sdpa" and _arg(func, args, kwargs, "attn_mask") is not None
+            masked = spec.family == "_sdpa" and work.schema_arg(func, args, kwargs, "attn_mask") is not None
             if self.attention_family is not None and family in ("", "_cudnn", "_sdpa"):
                 family = self.attention_family
             elif masked:
@@ -281,7 +263,7 @@ class StepTrace(TorchDispatchMode):
         return bool(getattr(tracker, "_in_host_phase", False))
 
     def _collective(self, op_name: str, kind: str, args, kwargs, outputs) -> None:
-        size, ranks = _group(args, kwargs)
+        size, ranks = group_of(args, kwargs)
         per_node = Counter(r // self.gpus_per_node for r in ranks)  # the group's ranks on each node it spans
         functional = op_name.startswith("_c10d_functional")
         sent_at = 0 if functional or kind in ("p2p", "all_reduce") else 1
@@ -313,17 +295,6 @@ def _recomputing() -> bool:
     `_recomputation_hook`): its ops are the model's forward, not autograd's backward formulas."""
     hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
     return hooks is not None and "_recomputation_hook" in getattr(hooks[0], "__qualname__", "")
-
-
-def _arg(func, args, kwargs, name: str):
-    """An op's argument by its schema name (positional or keyword), or None."""
-    if kwargs and name in kwargs:
-        return kwargs[name]
-    schema = getattr(func, "_schema", None)
-    for i, a in enumerate(schema.arguments if schema is not None else ()):
-        if a.name == name:
-            return args[i] if i < len(args) else None
-    return None
 
 
 def _host_scalar(args) -> bool:

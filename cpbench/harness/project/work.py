@@ -210,3 +210,14 @@ def strided(inputs: list[torch.Tensor], written: list[torch.Tensor]) -> bool:
         return True
     out = written[0] if written else None
     return out is not None and any(t.shape == out.shape and order(t) != order(out) for t in full)
+
+
+def schema_arg(func, args, kwargs, name: str):
+    """An op's argument by its schema name (positional or keyword), or None."""
+    if kwargs and name in kwargs:
+        return kwargs[name]
+    schema = getattr(func, "_schema", None)
+    for i, a in enumerate(schema.arguments if schema is not None else ()):
+        if a.name == name:
+            return args[i] if i < len(args) else None
+    return None
