@@ -1,6 +1,7 @@
 """Times the GEMMs of a projected step on this machine's GPU, shape by shape, beside the time model's price of each:
 whether a gap in the GEMM class (decompose.py) lies in the shapes (the shape tables, the waves) or in the card's level
-under a training step's sustained load (its clock and power limit), which no published burst figure shows.
+under a training step's sustained load (its clock and power limit): the profiles' `gemm` figures are sustained rates
+of one best shape (ml-engineering's MSMF), the shapes' spread a burst table's (OpenXLA).
 
     python results/gpu/gemm_bench.py results/gpu/gemm.csv [--suite suites/decompose-llama3-8b.toml] [--seconds 20]
 
@@ -8,8 +9,8 @@ The shapes are the projection's own: the suite's first point traced as `estimate
 its (m, n, k, groups) and its price on this GPU's profile (efficiency.gemm_seconds, via timing.op_seconds). Two
 timings, both of mamf-finder.py's operands in the point's dtype: A (m, k) contiguous, B an (n, k) one transposed
 (the trace keeps no operand layout; cuBLAS picks its kernel by layout too, so a step's other layouts may differ):
-- burst, per shape: ml-engineering's compute/accelerator/benchmarks/mamf-finder.py (benchmark_mm), by which the
-  profiles' `gemm` figures were measured: 50 warm-up and 100 timed products into a preallocated output, each timed
+- burst, per shape: ml-engineering's compute/accelerator/benchmarks/mamf-finder.py (benchmark_mm, before its MSMF),
+  by which the burst MAMF table was measured: 50 warm-up and 100 timed products into a preallocated output, each timed
   alone between two CUDA events after a 256 MiB buffer is zeroed (the L2 cleared) and the output re-randomized, the
   mean of the timed ones (the GPU idles its tensor cores in those gaps, as it never does in a step);
 - sustained: the step's GEMMs in the trace's order, replayed back to back for --seconds (the load of a training

@@ -4,12 +4,13 @@ the class's reference shape) that a call of another shape reaches. Shapes come f
 GEMM: on Hopper and Blackwell, a measured table by shape (gemm_tables.json: OpenXLA's matmul performance tables,
 bf16 GEMM throughput on an H100 and a B200 for b in {1, 2, 4} and m, n, k from 256 to 4096), read in log space
 between its points; a dimension past 4096 takes the 4096 value (the kernels are saturated there), one under 256
-costs as 256 (a tile is that wide). The table gives the shape's share of its own best; the profile's `gemm` sets
-the level. The table's best is a batched point (b = 4), so one GEMM at the shape the `gemm` figure was measured at
-(mamf-finder.py, b = 1) is priced 0.93 (H100) and 0.74 (B200) of that figure: the two sources disagree on the B200
-(XLA's single GEMMs top out at 1,417 TFLOP/s where mamf-finder measured 1,745), and the held-out LlamaMLP timings
-on a B200 (docs/time.md: 0.97-1.05 of measured) side with the table's level, so it is kept. Elsewhere (Ampere) a call costs its FLOPs over the core efficiency times its wave efficiency, plus the
-write of its output, both arithmetic on published facts, not fits:
+costs as 256 (a tile is that wide). The table gives the shape's share of its best single GEMM (b = 1: its 4096^3
+point), whose level the profile's `gemm` sets: the best rate one GEMM sustains under full load (ml-engineering's
+MSMF), as a step runs its GEMMs back to back for seconds. A batched call the table has faster than its best single
+one (b = 4: 1.03 x on the H100, 1.18 x on the B200) is priced so.
+
+Elsewhere (Ampere) a call costs its FLOPs over the core efficiency times its wave efficiency, plus the write of its
+output, both arithmetic on published facts, not fits:
 - waves: a GEMM runs as output tiles of 128 x 256 (either way round) spread over the SMs; the last wave of a
   problem whose tile count is not a multiple of the SMs runs partly empty (wave quantization: NVIDIA's "Matrix
   Multiplication Background User's Guide"; ml-engineering training/performance works the Llama-8B MLP through);
@@ -17,7 +18,8 @@ write of its output, both arithmetic on published facts, not fits:
   K sweep (TileLang's 8192 x 8192 x K fp16 GEMM on an H800 SXM, whose SMs and clocks are an H100 SXM's: 386, 520,
   628, 705, 736, 758, 766 TFLOP/s at K = 256 ... 16384) to 2 % at every K with one core efficiency;
 - the core efficiency is solved from the profile's best-shape figure (ml-engineering's Maximum Achievable Matmul
-  FLOPS table: the shape it was measured at, with its waves and epilogue, is in the profile).
+  FLOPS table: the shape it was measured at, with its waves and epilogue, is in the profile). No sustained (MSMF)
+  figure of an Ampere GPU was read: the A100's is a burst table's.
 
 Attention: the class's efficiency times the shape of its published curve (kernels.toml: by length, head dim and
 causal mask), times the SMs a call with few thread blocks (batch x heads x query blocks of 128) can fill.
@@ -56,19 +58,19 @@ def curves() -> dict:
 
 @lru_cache(maxsize=1)
 def gemm_tables() -> dict:
-    """arch -> ({(b, m, n, k): TFLOP/s}, the table's best)."""
+    """arch -> ({(b, m, n, k): TFLOP/s}, the table's best single GEMM: where the profile's `gemm` figure sits)."""
     import json
 
     data = json.loads(GEMM_TABLES_FILE.read_text())
     out = {}
     for arch in GEMM_TABLES.values():
         table = {tuple(row[:4]): row[4] for row in data[arch]}
-        out[arch] = (table, max(table.values()))
+        out[arch] = (table, max(v for key, v in table.items() if key[0] == 1))
     return out
 
 
 def _table_share(arch: str, b: int, m: int, n: int, k: int) -> float:
-    """The table's throughput at (b, m, n, k) over its best, read in log2 space between its points (multilinear in
+    """The table's throughput at (b, m, n, k) over its best single GEMM's, read in log2 space between its points (multilinear in
     m, n and k at the batch point at or below `b`)."""
     table, best = gemm_tables()[arch]
     bs = sorted({key[0] for key in table})
