@@ -288,6 +288,8 @@ def test_a_projected_step_is_traced_with_its_streams_collectives_transfers_and_h
     assert {("nccl", "p2p"), ("compute", "attention_forward"), ("compute", "attention_backward"),
             ("ag", "all_gather"), ("rs", "reduce_scatter"), ("compute", "gemm")} <= kinds
     assert all(o.group == 2 and o.crosses_nodes for o in ops if o.kind in ("p2p", "all_gather"))  # 1 GPU a node
+    # FSDP2 copies a reduce-scatter's input in on the compute stream (foreach_reduce), and reduces it on its own
+    assert {o.stream for o in ops if o.name == "fsdp.chunk_cat"} == {"compute"}
     # every byte the host ledger moved is a transfer of the trace: checkpoints on the compute stream, parameters up
     # beside the all-gathers, gradients down beside the reduce-scatters
     for direction in ("d2h", "h2d"):
@@ -473,3 +475,33 @@ def test_a_kernel_beside_a_collective_slows_only_while_the_collective_runs():
     assert _beside_collectives(0.0, 100e-6, [(20e-6, 40e-6), (30e-6, 60e-6)], 0.5) == pytest.approx(120e-6)
     assert _beside_collectives(0.0, 100e-6, [(200e-6, 300e-6)], 0.5) == pytest.approx(100e-6)  # after it ends
     assert _beside_collectives(0.0, 100e-6, [(0.0, 1.0)], 0.0) == 100e-6
+
+
+def test_a_kernel_is_slowed_by_a_collective_beside_it_whichever_the_code_issued_first():
+    # FSDP2 issues a layer's all-gather after the layer before has dispatched its kernels, which the GPU still runs:
+    # the kernel loses NCCL's SMs as much as one issued after the collective
+    hw = dataclasses.replace(HW, nccl_sm_fraction=0.2)
+    gemm = op("gemm", flops=50e12 * 1e-3)  # 1 ms alone
+    gather = op("all_gather", "ag", nbytes=1e9, writes=[9], group=2)  # 10 ms from the start
+    before, after = (simulate(trace, hw, "bfloat16")["compute_s"] for trace in ([gather, gemm], [gemm, gather]))
+    assert before == pytest.approx(1e-3 / 0.8) and after == pytest.approx(before)
+
+
+def test_a_layers_gradient_copy_in_waits_for_the_reduce_scatter_before_it():
+    # FSDP2 keeps one reduce-scatter input alive (reduce_scatter_max_input_buffers = 1, _fsdp_param_group.py
+    # post_backward): the compute stream waits for the previous reduce-scatter before copying the next layer's
+    # gradients in (fsdp.chunk_cat), and the kernels after the copy-in wait with it
+    def copy_in(reads, writes):
+        return Op("compute", "memory", "step", 0.0, 1e6, tuple(reads), tuple(writes), name="fsdp.chunk_cat",
+                  backward=True)
+
+    trace = [op("gemm", flops=50e12 * 1e-3, writes=[1], backward=True),  # a layer's backward: 1 ms
+             copy_in([1], [2]),  # 1 us
+             op("reduce_scatter", "rs", nbytes=800e6, reads=[2], writes=[3], group=2, backward=True),  # 4 ms
+             op("gemm", flops=50e12 * 1e-3, writes=[4], backward=True),  # the layer before: 1 ms beside it
+             copy_in([4], [5]),  # waits for the first reduce-scatter: 5.001 ms
+             op("reduce_scatter", "rs", nbytes=800e6, reads=[5], writes=[6], group=2, backward=True),
+             op("gemm", flops=50e12 * 10e-3, backward=True)]  # 10 ms more, after the copy-in
+    t = simulate(trace, HW, "bfloat16")
+    assert t["step_s"] == pytest.approx(1e-3 + 1e-6 + 4e-3 + 1e-6 + 10e-3)
+    assert t["comm_exposed_s"] == pytest.approx(4e-3 - 1e-3)  # the compute stream idled for the reduce-scatter

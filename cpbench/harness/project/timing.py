@@ -147,14 +147,27 @@ def host_seconds(op: Op, hw: Hardware) -> float:
 
 def simulate(ops: list[Op], hw: Hardware, dtype: str) -> dict:
     """Plays the trace out on `hw`: the step's time, its breakdown (BREAKDOWN, which sums to `step_s`), the busy
-    time of the collectives (`comm_s`) and the FLOPs the kernels executed (`executed_flops`, recompute included)."""
+    time of the collectives (`comm_s`) and the FLOPs the kernels executed (`executed_flops`, recompute included).
+
+    Twice: a collective the code issues after a kernel may run beside it on the GPU (FSDP2 issues a layer's
+    all-gather in that layer's pre-forward, after the layer before has dispatched its kernels, which the GPU is still
+    running), so the second play slows each kernel by every collective the first play ran beside it."""
+    first = _play(ops, hw, dtype, [])
+    return _play(ops, hw, dtype, first.pop("spans"), result=True)
+
+
+def _play(ops: list[Op], hw: Hardware, dtype: str, spans: list, result: bool = False) -> dict:
+    """One play of the trace; `spans`: the collectives' (start, end) known from a play before, which slow the
+    kernels beside them as well as the ones this play runs."""
     clock = {"cpu": 0.0, "compute": 0.0, **dict.fromkeys(COMM_STREAMS, 0.0)}
     ready: dict[int, tuple[float, str]] = {}  # buffer -> (written at, by which kind of work)
     out = dict.fromkeys(BREAKDOWN, 0.0)
     comm_s = flops = 0.0
     ag_gate = 0.0
     in_optimizer = False
-    busy: list[tuple[float, float]] = []  # the collectives' (start, end): NCCL's kernels hold SMs meanwhile
+    busy: list[tuple[float, float]] = sorted(spans)  # the collectives' (start, end): NCCL's kernels hold SMs
+    played: list[tuple[float, float]] = []
+    rs_done = 0.0  # the end of the last reduce-scatter: FSDP2 keeps one reduce-scatter input alive
     began: dict[str, float] = {}  # "backward", "optimizer": when the compute stream's first op of that part starts
     kernels = {"all": 0.0, "attention": 0.0}  # the GPU's kernel time, collectives left out (attention_s)
     for op in ops:
@@ -174,16 +187,23 @@ def simulate(ops: list[Op], hw: Hardware, dtype: str) -> dict:
             clock[op.stream] = end
             if op.kind in COLLECTIVE_KINDS:
                 comm_s += dur
+                played.append((end - dur, end))
                 busy.append((end - dur, end))
+                if op.stream == "rs" and op.kind == "reduce_scatter":
+                    rs_done = end
             made_by = "transfer" if op.kind in ("h2d", "d2h") else "comm"
             kernels["all"] += 0.0 if op.kind in COLLECTIVE_KINDS else dur
         else:
             if op.phase == "optimizer" and not in_optimizer:  # FSDP2's root waits for the last reduction
                 in_optimizer = True
                 dep, why = max((dep, why), (max(clock[s] for s in COMM_STREAMS), "comm"))
+            if op.name == "fsdp.chunk_cat":  # a layer's gradients are copied in once the reduce-scatter before is
+                # done: FSDP2's post_backward waits for the oldest reduce-scatter input (reduce_scatter_max_input_
+                # buffers = 1, _fsdp_param_group.py) before its foreach_reduce
+                dep, why = max((dep, why), (rs_done, "comm"))
             start = max(clock["compute"], clock["cpu"], dep)
             if op.stream != "host" and op.kind not in ("h2d", "d2h") and busy:
-                busy = [b for b in busy if b[1] > start] if len(busy) > 64 else busy
+                busy = [b for b in busy if b[1] > start] if len(busy) > 64 else busy  # kernels start in order
                 dur = _beside_collectives(start, dur, busy, hw.nccl_sm_fraction)
             part = "optimizer" if op.phase == "optimizer" else "backward" if op.backward else None
             if part is not None:
@@ -211,6 +231,8 @@ def simulate(ops: list[Op], hw: Hardware, dtype: str) -> dict:
     optimizer_at = began.get("optimizer", end)
     backward_at = min(began.get("backward", optimizer_at), optimizer_at)
     attention_s = end * kernels["attention"] / kernels["all"] if kernels["all"] else 0.0
+    if not result:
+        return {"spans": played}
     return {"step_s": end, **out, "forward_s": backward_at, "backward_s": optimizer_at - backward_at,
             "attention_s": attention_s, "comm_s": comm_s, "executed_flops": flops,
             "attention_kernels": attention_kernels(ops, hw), "floor_s": floor_seconds(ops, hw, dtype)}
@@ -237,8 +259,8 @@ def floor_seconds(ops: list[Op], hw: Hardware, dtype: str) -> float:
 
 def _beside_collectives(start: float, dur: float, busy: list, share: float) -> float:
     """A kernel's duration when NCCL holds `share` of the SMs while a collective runs beside it: it progresses at
-    1 - share of its speed while one runs (the collectives issued so far; concurrent ones count once), at full speed
-    otherwise, until its work is done."""
+    1 - share of its speed while one runs (concurrent ones count once), at full speed otherwise, until its work is
+    done."""
     if not share:
         return dur
     t, left = start, dur  # the work left, in seconds at full speed

@@ -11,8 +11,9 @@ Streams, as cpbench's code and the libraries under it schedule the work:
   `save_on_cpu` copies on the current stream);
 - `ag`: FSDP2's all-gather copy-in (with the cast of the shards it copies in) and all-gather (its own streams,
   which wait only for the previous copy-out);
-- `rs`: FSDP2's reduce-scatter input copy and reduce-scatter (after the gradients: they wait for compute), and the
-  gradient copies to the host under parameter offload;
+- `rs`: FSDP2's reduce-scatter (after its input, which the compute stream copies in: _fsdp_collectives.py
+  foreach_reduce runs foreach_reduce_scatter_copy_in before reduce_scatter_stream.wait_stream), and the gradient
+  copies to the host under parameter offload;
 - `nccl`: every other collective (ring send/receive, Ulysses all-to-all, all-reduce): torch's NCCL process group
   waits for the compute stream when a collective is issued.
 """
@@ -203,7 +204,7 @@ class StepTrace(TorchDispatchMode):
             self._collective(schema.name, collective[0], args, kwargs, outputs)
             return
         if name.startswith("fsdp."):
-            stream = "ag" if "all_gather_copy_in" in name else "rs" if "chunk_cat" in name else "compute"
+            stream = "ag" if "all_gather_copy_in" in name else "compute"
         else:
             stream = "host" if self._on_host() else "compute"
         reads = tuple({self._key(t) for t in inputs})
@@ -239,8 +240,8 @@ class StepTrace(TorchDispatchMode):
                            shape=shape + (work.tensor_bytes(outputs[0]),) if kind == "gemm" and outputs else shape,
                            tensors=len(inputs), strided=kind == "memory" and work.strided(inputs, written),
                            backward=backward, selective=under_op_policy()))
-        for key in writes:
-            self._stream_of[key] = stream
+        for key in writes:  # a reduce-scatter's input, copied in on the compute stream, is reduced on FSDP2's own
+            self._stream_of[key] = "rs" if name == "fsdp.chunk_cat" else stream
             self._writer[key] = len(self.ops) - 1
 
     def _onto_copy_in_stream(self, inputs: list[torch.Tensor]) -> None:
