@@ -80,6 +80,7 @@ def main() -> None:
             writer.writerow({**{k: r[k] for k in FIELDS}, "y_value_50_ms": ms, "gpu_name": name,
                              "kernel_provider": "cpbench", "liger_version": "",
                              "timestamp": time.strftime("%Y-%m-%d %H:%M:%S")})
+            f.flush()  # a run cut short keeps the rows it timed
             print(f"{r['kernel_name']} {r['kernel_operation_mode']} {r['x_value']}: {ms * 1e3:.1f} us", flush=True)
 
 

@@ -177,18 +177,19 @@ def main(argv: list[str] | None = None) -> dict:
     gemms = step_gemms(point, hw)
     shapes = distinct(gemms)
     rows = []
-    for shape, agg in shapes.items():
-        b = burst(shape, dtype, args.device, args.warmup, args.timed)
-        each = agg["flops"] / agg["count"]
-        rows.append({"m": shape[0], "n": shape[1], "k": shape[2], "groups": shape[3], "count": agg["count"],
-                     "gflop": each / 1e9, "priced_ms": agg["priced_s"] / agg["count"] * 1e3, "burst_ms": b * 1e3,
-                     "burst_tflops": each / b / 1e12, "priced_tflops": agg["flops"] / agg["priced_s"] / 1e12})
-        print(f"{shape}: x{agg['count']}, priced {rows[-1]['priced_tflops']:.0f}, burst {rows[-1]['burst_tflops']:.0f} "
-              "TFLOP/s", flush=True)
-    with args.out.open("w", newline="") as f:
+    with args.out.open("w", newline="") as f:  # row by row: a run cut short keeps the shapes it timed
         writer = csv.DictWriter(f, FIELDS, lineterminator="\n")
         writer.writeheader()
-        writer.writerows(rows)
+        for shape, agg in shapes.items():
+            b = burst(shape, dtype, args.device, args.warmup, args.timed)
+            each = agg["flops"] / agg["count"]
+            rows.append({"m": shape[0], "n": shape[1], "k": shape[2], "groups": shape[3], "count": agg["count"],
+                         "gflop": each / 1e9, "priced_ms": agg["priced_s"] / agg["count"] * 1e3, "burst_ms": b * 1e3,
+                         "burst_tflops": each / b / 1e12, "priced_tflops": agg["flops"] / agg["priced_s"] / 1e12})
+            writer.writerow(rows[-1])
+            f.flush()
+            print(f"{shape}: x{agg['count']}, priced {rows[-1]['priced_tflops']:.0f}, "
+                  f"burst {rows[-1]['burst_tflops']:.0f} TFLOP/s", flush=True)
     summary = {"device": name, "profile": hw.name, "suite": str(args.suite), "gemms": len(gemms),
                "flops": sum(f for _, f, _ in gemms), "priced_s": sum(p for _, _, p in gemms),
                "burst_s": sum(r["burst_ms"] / 1e3 * r["count"] for r in rows),

@@ -14,7 +14,7 @@
 #      GEMMs, attention, element-wise, optimizer, each measured (torch.profiler) beside the time model's price on
 #      this GPU's profile (cpbench/harness/project/decompose.py): -> results/gpu/decompose.csv and decompose.log;
 #   1b. the same step's GEMMs shape by shape (results/gpu/gemm_bench.py): each timed as a burst (mamf-finder.py's
-#      benchmark_mm) and all of them replayed for 20 s (a step's sustained load, as the profiles' `gemm` figures,
+#      benchmark_mm) and all of them replayed for 10 s (a step's sustained load, as the profiles' `gemm` figures,
 #      ml-engineering's MSMF, are sustained rates) with the SM clock and power sampled, beside their price:
 #      -> results/gpu/gemm.csv, gemm.csv.json and gemm.log;
 #   1c. the element-wise kernels' figures on this GPU (results/gpu/elementwise_bench.py, then the fit of
@@ -33,10 +33,14 @@
 #
 # Usage (repository root, an environment with cpbench installed):  bash results/gpu/run_gpu_checks.sh [--memory-budget 80GiB]
 # The arguments go to the sweep. Exit status: the tests' if they failed, else the element-wise bench's, else
-# decompose's, else the GEMM bench's, else the sweep's.
+# decompose's, else the GEMM bench's, else the sweep's. Every step has its own time limit, together about 8.5 minutes
+# (a lent GPU machine allows 10 a command). Where $OUT is set (the device machine's folder of files that come back),
+# results/gpu is packed into $OUT/gpu.tgz after every step, so a run cut short still brings back what it measured.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-PY=${PYTHON:-python}
+PY=${PYTHON:-$(command -v python || command -v python3)}
+pack() { if [ -n "${OUT:-}" ]; then tar czf "$OUT/gpu.tgz" results/gpu 2>/dev/null || true; fi; }
+trap pack EXIT
 "$PY" - <<'PYEOF' || exit 1
 import sys
 import torch
@@ -53,8 +57,12 @@ for backend in ("flash_attention_2", "flash_attention_3", "flash_attention_4"):
 PYEOF
 mkdir -p results/gpu
 tests=0
-timeout 220 "$PY" -m pytest -m gpu tests/gpu -q -rs -p no:cacheprovider --junitxml results/gpu/gpu-tests.xml \
-    2>&1 | tee results/gpu/gpu-tests.log || tests=$?
+# -v names each test as it runs, and pytest-timeout (where installed) fails a hung one alone: the JUnit file is
+# written at the session's end only
+per_test=$("$PY" -c "import pytest_timeout" 2>/dev/null && echo --timeout=120)
+timeout 180 "$PY" -m pytest -m gpu tests/gpu -v -rs -p no:cacheprovider $per_test \
+    --junitxml results/gpu/gpu-tests.xml 2>&1 | tee results/gpu/gpu-tests.log || tests=$?
+pack
 # the 8B's kernel time by class against its price (not yet timed on a GPU: 90 s allowed); it needs ~50 GB, so a
 # smaller GPU skips it, said in the log; a GPU with no shipped profile is priced as an H100 SXM
 gpu=$("$PY" -c "from cpbench.harness.project.hardware import for_device; import torch
@@ -70,15 +78,17 @@ else
   echo "decompose skipped: the GPU has under 60 GiB (suites/decompose-llama3-8b.toml needs ~50 GB)" \
     | tee results/gpu/decompose.log
 fi
-# the step's GEMMs: bursts and a sustained replay beside their price (~40 s; the largest operands take 2 GB)
+pack
+# the step's GEMMs: bursts and a 10 s sustained replay beside their price (~30 s; the largest operands take 2 GB)
 gemm=0
-timeout 75 "$PY" results/gpu/gemm_bench.py results/gpu/gemm.csv --gpu "${gpu:-h100-sxm}" > results/gpu/gemm.log 2>&1 \
-    || gemm=$?
+timeout 60 "$PY" results/gpu/gemm_bench.py results/gpu/gemm.csv --gpu "${gpu:-h100-sxm}" --seconds 10 \
+    > results/gpu/gemm.log 2>&1 || gemm=$?
 tail -3 results/gpu/gemm.log
 if [ "$gemm" -ne 0 ]; then echo "gemm_bench failed or timed out (exit $gemm): results/gpu/gemm.log"; fi
+pack
 # the element-wise figures of this GPU: the eager modules the H100's were fitted to, timed here, then fitted (~1 min)
 bench=0
-timeout 90 "$PY" results/gpu/elementwise_bench.py results/gpu/elementwise.csv --reps 50 > results/gpu/elementwise.log 2>&1 \
+timeout 60 "$PY" results/gpu/elementwise_bench.py results/gpu/elementwise.csv --reps 50 > results/gpu/elementwise.log 2>&1 \
     || bench=$?
 if [ "$bench" -ne 0 ]; then
   echo "elementwise_bench failed or timed out (exit $bench): no fit on partial rows (results/gpu/elementwise.log)"
@@ -89,9 +99,10 @@ else
   "$PY" -m cpbench.harness.project.elementwise --data results/gpu/elementwise.csv --gpu "$gpu" 2>&1 \
     | tee -a results/gpu/elementwise.log
 fi
-# 120 s for the sweep keeps the whole script within 10 minutes; finished points are kept if it is cut (--resume).
+pack
+# 100 s for the sweep keeps the whole script within 10 minutes; finished points are kept if it is cut (--resume).
 sweep=0
-timeout 120 "$PY" -m cpbench sweep suites/qwen3-0.6b-long.toml --out results/gpu --no-progress "$@" || sweep=$?
+timeout 100 "$PY" -m cpbench sweep suites/qwen3-0.6b-long.toml --out results/gpu --no-progress "$@" || sweep=$?
 run=$(ls -d results/gpu/qwen3-0.6b-long/2* 2>/dev/null | tail -1)
 if [ -n "$run" ]; then "$PY" -m cpbench report "$run"; fi
 if [ "$tests" -ne 0 ]; then exit "$tests"; fi

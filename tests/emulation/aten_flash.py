@@ -38,7 +38,8 @@ def _window(w):
 def flash_attention_forward(*args, **kwargs):
     """aten::_flash_attention_forward -> (output, softmax_logsumexp, rng_state, unused, debug_attn_mask)."""
     a = bind(ATEN._flash_attention_forward.default, args, kwargs)
-    emulated(all(a[n] is None for n in ("seqused_k", "alibi_slopes", "block_table", "num_splits")),
+    # block_table and num_splits are in the schema from torch 2.12 on (2.11's has neither): absent is not given
+    emulated(all(a.get(n) is None for n in ("seqused_k", "alibi_slopes", "block_table", "num_splits")),
              "seqused_k / alibi_slopes / block_table / num_splits")
     check((a["cum_seq_q"] is None) == (a["cum_seq_k"] is None), BOTH_CU)  # ATTN L522-525
     q, k, v = a["query"], a["key"], a["value"]

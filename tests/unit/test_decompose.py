@@ -150,3 +150,17 @@ def test_the_gemm_bench_times_the_projected_steps_own_gemms_priced_as_the_decomp
     assert summary["sm_clock_mhz"] is None and "power_limit_w" not in summary  # no NVML device on the CPU
     a, b = bench.operands((4, 3, 2, 1), torch.float32, "cpu")  # mamf-finder.py's: B an (n, k) matrix transposed
     assert a.shape == (4, 2) and a.is_contiguous() and b.shape == (2, 3) and b.stride() == (1, 2)
+
+
+def test_the_gpu_checks_fit_a_lent_machines_command_and_bring_back_what_they_measured():
+    # a lent GPU machine runs one command for at most 10 minutes and returns only the files under $OUT: the script's
+    # steps are each time-limited to within that, with room for the steps it does not limit (imports, the report),
+    # and it packs results/gpu into $OUT after every step and on exit, so a run cut short keeps its measurements
+    import re
+    from pathlib import Path
+
+    script = (Path(__file__).resolve().parents[2] / "results" / "gpu" / "run_gpu_checks.sh").read_text()
+    limits = [int(s) for s in re.findall(r"^\s*timeout (\d+) ", script, re.M)]
+    assert len(limits) == 5 and sum(limits) <= 540, limits
+    assert "trap pack EXIT" in script and script.count("\npack\n") >= 4
+    assert 'tar czf "$OUT/gpu.tgz" results/gpu' in script
