@@ -465,14 +465,16 @@ def test_the_trace_says_how_many_nodes_each_collectives_group_spans():
 
 
 def test_a_kernel_beside_a_collective_slows_only_while_the_collective_runs():
-    from cpbench.harness.project.timing import _beside_collectives
+    from cpbench.harness.project.timing import _beside_collectives, _union
 
     # a 100 us kernel; NCCL holds 18 % of the SMs while a collective runs: 0.82 of its speed then, full speed after
     assert _beside_collectives(0.0, 100e-6, [(0.0, 50e-6)], 0.18) == pytest.approx(50e-6 + (100e-6 - 41e-6))
     assert _beside_collectives(0.0, 100e-6, [(0.0, 110e-6)], 0.18) == pytest.approx(110e-6 + (100e-6 - 90.2e-6))
     assert _beside_collectives(0.0, 100e-6, [(0.0, 1.0)], 0.18) == pytest.approx(100e-6 / 0.82)  # throughout
     # two collectives at once count once: 0-20 free, 20-60 at half speed (20 us of work), the rest free
-    assert _beside_collectives(0.0, 100e-6, [(20e-6, 40e-6), (30e-6, 60e-6)], 0.5) == pytest.approx(120e-6)
+    assert _beside_collectives(0.0, 100e-6, _union([(20e-6, 40e-6), (30e-6, 60e-6)]), 0.5) == pytest.approx(120e-6)
+    # from the first span that ends after the kernel starts (the simulation finds it by bisection)
+    assert _beside_collectives(50e-6, 100e-6, [(0.0, 10e-6), (60e-6, 80e-6)], 0.5, 1) == pytest.approx(110e-6)
     assert _beside_collectives(0.0, 100e-6, [(200e-6, 300e-6)], 0.5) == pytest.approx(100e-6)  # after it ends
     assert _beside_collectives(0.0, 100e-6, [(0.0, 1.0)], 0.0) == 100e-6
 

@@ -28,6 +28,8 @@ out (they overlap): how a profiler splits one measured step into attention and e
 
 from __future__ import annotations
 
+import bisect
+
 from cpbench.harness.project import efficiency
 from cpbench.harness.project.hardware import Hardware
 from cpbench.harness.project.trace import Op
@@ -152,20 +154,22 @@ def simulate(ops: list[Op], hw: Hardware, dtype: str) -> dict:
     Twice: a collective the code issues after a kernel may run beside it on the GPU (FSDP2 issues a layer's
     all-gather in that layer's pre-forward, after the layer before has dispatched its kernels, which the GPU is still
     running), so the second play slows each kernel by every collective the first play ran beside it."""
-    first = _play(ops, hw, dtype, [])
-    return _play(ops, hw, dtype, first.pop("spans"), result=True)
+    first = _play(ops, hw, dtype, None)
+    return _play(ops, hw, dtype, _union(sorted(first["spans"])))
 
 
-def _play(ops: list[Op], hw: Hardware, dtype: str, spans: list, result: bool = False) -> dict:
-    """One play of the trace; `spans`: the collectives' (start, end) known from a play before, which slow the
-    kernels beside them as well as the ones this play runs."""
+def _play(ops: list[Op], hw: Hardware, dtype: str, known: list | None) -> dict:
+    """One play of the trace. The first (`known` None) slows a kernel by the collectives issued before it and
+    returns the collectives' (start, end) spans; the second slows it by `known`, those spans merged, found by
+    bisection (every collective of the step from its first kernel on: sorting them at each kernel was quadratic)."""
     clock = {"cpu": 0.0, "compute": 0.0, **dict.fromkeys(COMM_STREAMS, 0.0)}
     ready: dict[int, tuple[float, str]] = {}  # buffer -> (written at, by which kind of work)
     out = dict.fromkeys(BREAKDOWN, 0.0)
     comm_s = flops = 0.0
     ag_gate = 0.0
     in_optimizer = False
-    busy: list[tuple[float, float]] = sorted(spans)  # the collectives' (start, end): NCCL's kernels hold SMs
+    busy: list[tuple[float, float]] = []  # the collectives' (start, end) issued so far: NCCL's kernels hold SMs
+    ends = [b for _, b in known] if known is not None else []
     played: list[tuple[float, float]] = []
     rs_done = 0.0  # the end of the last reduce-scatter: FSDP2 keeps one reduce-scatter input alive
     began: dict[str, float] = {}  # "backward", "optimizer": when the compute stream's first op of that part starts
@@ -187,8 +191,8 @@ def _play(ops: list[Op], hw: Hardware, dtype: str, spans: list, result: bool = F
             clock[op.stream] = end
             if op.kind in COLLECTIVE_KINDS:
                 comm_s += dur
-                played.append((end - dur, end))
                 busy.append((end - dur, end))
+                played.append((end - dur, end))
                 if op.stream == "rs" and op.kind == "reduce_scatter":
                     rs_done = end
             made_by = "transfer" if op.kind in ("h2d", "d2h") else "comm"
@@ -202,9 +206,12 @@ def _play(ops: list[Op], hw: Hardware, dtype: str, spans: list, result: bool = F
                 # buffers = 1, _fsdp_param_group.py) before its foreach_reduce
                 dep, why = max((dep, why), (rs_done, "comm"))
             start = max(clock["compute"], clock["cpu"], dep)
-            if op.stream != "host" and op.kind not in ("h2d", "d2h") and busy:
+            if op.stream != "host" and op.kind not in ("h2d", "d2h") and known:
+                dur = _beside_collectives(start, dur, known, hw.nccl_sm_fraction, bisect.bisect_right(ends, start))
+            elif op.stream != "host" and op.kind not in ("h2d", "d2h") and busy and known is None:
                 busy = [b for b in busy if b[1] > start] if len(busy) > 64 else busy  # kernels start in order
-                dur = _beside_collectives(start, dur, busy, hw.nccl_sm_fraction)
+                dur = _beside_collectives(start, dur, _union(sorted(b for b in busy if b[1] > start)),
+                                          hw.nccl_sm_fraction)
             part = "optimizer" if op.phase == "optimizer" else "backward" if op.backward else None
             if part is not None:
                 began.setdefault(part, start)
@@ -231,7 +238,7 @@ def _play(ops: list[Op], hw: Hardware, dtype: str, spans: list, result: bool = F
     optimizer_at = began.get("optimizer", end)
     backward_at = min(began.get("backward", optimizer_at), optimizer_at)
     attention_s = end * kernels["attention"] / kernels["all"] if kernels["all"] else 0.0
-    if not result:
+    if known is None:
         return {"spans": played}
     return {"step_s": end, **out, "forward_s": backward_at, "backward_s": optimizer_at - backward_at,
             "attention_s": attention_s, "comm_s": comm_s, "executed_flops": flops,
@@ -257,14 +264,17 @@ def floor_seconds(ops: list[Op], hw: Hardware, dtype: str) -> float:
     return total
 
 
-def _beside_collectives(start: float, dur: float, busy: list, share: float) -> float:
+def _beside_collectives(start: float, dur: float, spans: list, share: float, first: int = 0) -> float:
     """A kernel's duration when NCCL holds `share` of the SMs while a collective runs beside it: it progresses at
-    1 - share of its speed while one runs (concurrent ones count once), at full speed otherwise, until its work is
-    done."""
+    1 - share of its speed while one runs, at full speed otherwise, until its work is done. `spans`: the collectives'
+    (start, end), sorted and merged (concurrent ones count once), from `first` on the first that ends after
+    `start`."""
     if not share:
         return dur
     t, left = start, dur  # the work left, in seconds at full speed
-    for a, b in _union(sorted((a, b) for a, b in busy if b > start)):
+    for a, b in spans[first:]:
+        if b <= t:
+            continue
         a = max(a, t)
         if a - t >= left:  # done before this collective starts
             break
