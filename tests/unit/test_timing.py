@@ -323,7 +323,7 @@ def test_a_models_own_sdpa_call_is_priced_as_the_kernel_sdpa_picks_on_the_gpu():
 
 
 def test_every_attention_kind_the_trace_makes_has_an_efficiency_on_every_sdpa_kernel():
-    from cpbench.harness.project.timing import efficiency_key
+    from cpbench.harness.project.efficiency import efficiency_key
     from cpbench.harness.project.flops import ATTENTION
 
     kinds = {f"attention{spec.family}_{spec.direction}" for spec in ATTENTION.values()}

@@ -19,7 +19,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from cpbench.harness.project.hardware import Hardware
-from cpbench.harness.project.timing import efficiency_key, simulate
+from cpbench.harness.project.efficiency import efficiency_key
+from cpbench.harness.project.timing import simulate
 
 # parameter -> (lowest, highest): efficiencies are fractions of a peak, overheads seconds
 BOUNDS = {"efficiency": (0.01, 1.0), "kernel_s": (1e-7, 1e-3), "cpu_op_s": (1e-7, 1e-3)}

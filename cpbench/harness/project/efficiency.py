@@ -21,6 +21,8 @@ output, both arithmetic on published facts, not fits:
   FLOPS table: the shape it was measured at, with its waves and epilogue, is in the profile). No sustained (MSMF)
   figure of an Ampere GPU was read: the A100's is a burst table's.
 
+Which efficiency an op is priced at (`efficiency_key`: a model's own SDPA call runs the kernel the profile names).
+
 Attention: the class's efficiency times the shape of its published curve (kernels.toml: by length, head dim and
 causal mask), times the SMs a call with few thread blocks (batch x heads x query blocks of 128) can fill.
 """
@@ -67,6 +69,22 @@ def gemm_tables() -> dict:
         table = {tuple(row[:4]): row[4] for row in data[arch]}
         out[arch] = (table, max(v for key, v in table.items() if key[0] == 1))
     return out
+
+
+_SDPA_FAMILY = {"flash": "", "cudnn": "_cudnn", "efficient": "_efficient", "fa3": "_fa3", "fa4": "_fa4"}
+
+
+def efficiency_key(kind: str, hw) -> str:
+    """The efficiency an op's kind is priced at: a model's own SDPA call runs the kernel SDPA picks on the GPU."""
+    if kind.startswith("attention_sdpa_"):
+        return kind.replace("_sdpa", _SDPA_FAMILY[hw.sdpa_kernel])
+    return kind
+
+
+def kernel_class(key: str) -> tuple[str, str]:
+    """(kernel class, direction) of an attention efficiency key: attention_cudnn_forward -> (cudnn, forward)."""
+    parts = key.split("_")
+    return (parts[1] if len(parts) == 3 else "flash"), parts[-1]
 
 
 def _table_share(arch: str, b: int, m: int, n: int, k: int) -> float:

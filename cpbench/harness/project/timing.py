@@ -31,6 +31,7 @@ from __future__ import annotations
 import bisect
 
 from cpbench.harness.project import efficiency
+from cpbench.harness.project.efficiency import efficiency_key, kernel_class
 from cpbench.harness.project.hardware import Hardware
 from cpbench.harness.project.trace import Op
 
@@ -84,22 +85,6 @@ def _ring_seconds(kind: str, nbytes: float, group: int, link: float, latency: fl
     if kind == "p2p":
         return nbytes / bw + latency if nbytes else 0.0
     raise ValueError(f"unknown collective kind {kind!r}")
-
-
-_SDPA_FAMILY = {"flash": "", "cudnn": "_cudnn", "efficient": "_efficient", "fa3": "_fa3", "fa4": "_fa4"}
-
-
-def efficiency_key(kind: str, hw: Hardware) -> str:
-    """The efficiency an op's kind is priced at: a model's own SDPA call runs the kernel SDPA picks on the GPU."""
-    if kind.startswith("attention_sdpa_"):
-        return kind.replace("_sdpa", _SDPA_FAMILY[hw.sdpa_kernel])
-    return kind
-
-
-def kernel_class(key: str) -> tuple[str, str]:
-    """(kernel class, direction) of an attention efficiency key: attention_cudnn_forward -> (cudnn, forward)."""
-    parts = key.split("_")
-    return (parts[1] if len(parts) == 3 else "flash"), parts[-1]
 
 
 def op_seconds(op: Op, hw: Hardware, dtype: str) -> float:
@@ -160,17 +145,14 @@ def simulate(ops: list[Op], hw: Hardware, dtype: str) -> dict:
 
 def _play(ops: list[Op], hw: Hardware, dtype: str, known: list | None) -> dict:
     """One play of the trace. The first (`known` None) slows a kernel by the collectives issued before it and
-    returns the collectives' (start, end) spans; the second slows it by `known`, those spans merged, found by
-    bisection (every collective of the step from its first kernel on: sorting them at each kernel was quadratic)."""
+    returns the collectives' (start, end) spans; the second slows it by `known`, those spans merged (_Beside)."""
     clock = {"cpu": 0.0, "compute": 0.0, **dict.fromkeys(COMM_STREAMS, 0.0)}
     ready: dict[int, tuple[float, str]] = {}  # buffer -> (written at, by which kind of work)
     out = dict.fromkeys(BREAKDOWN, 0.0)
     comm_s = flops = 0.0
     ag_gate = 0.0
     in_optimizer = False
-    busy: list[tuple[float, float]] = []  # the collectives' (start, end) issued so far: NCCL's kernels hold SMs
-    ends = [b for _, b in known] if known is not None else []
-    played: list[tuple[float, float]] = []
+    beside = _Beside(hw.nccl_sm_fraction, known)
     rs_done = 0.0  # the end of the last reduce-scatter: FSDP2 keeps one reduce-scatter input alive
     began: dict[str, float] = {}  # "backward", "optimizer": when the compute stream's first op of that part starts
     kernels = {"all": 0.0, "attention": 0.0}  # the GPU's kernel time, collectives left out (attention_s)
@@ -191,8 +173,7 @@ def _play(ops: list[Op], hw: Hardware, dtype: str, known: list | None) -> dict:
             clock[op.stream] = end
             if op.kind in COLLECTIVE_KINDS:
                 comm_s += dur
-                busy.append((end - dur, end))
-                played.append((end - dur, end))
+                beside.ran(end - dur, end)
                 if op.stream == "rs" and op.kind == "reduce_scatter":
                     rs_done = end
             made_by = "transfer" if op.kind in ("h2d", "d2h") else "comm"
@@ -206,12 +187,8 @@ def _play(ops: list[Op], hw: Hardware, dtype: str, known: list | None) -> dict:
                 # buffers = 1, _fsdp_param_group.py) before its foreach_reduce
                 dep, why = max((dep, why), (rs_done, "comm"))
             start = max(clock["compute"], clock["cpu"], dep)
-            if op.stream != "host" and op.kind not in ("h2d", "d2h") and known:
-                dur = _beside_collectives(start, dur, known, hw.nccl_sm_fraction, bisect.bisect_right(ends, start))
-            elif op.stream != "host" and op.kind not in ("h2d", "d2h") and busy and known is None:
-                busy = [b for b in busy if b[1] > start] if len(busy) > 64 else busy  # kernels start in order
-                dur = _beside_collectives(start, dur, _union(sorted(b for b in busy if b[1] > start)),
-                                          hw.nccl_sm_fraction)
+            if op.stream != "host" and op.kind not in ("h2d", "d2h"):
+                dur = beside.kernel(start, dur)
             part = "optimizer" if op.phase == "optimizer" else "backward" if op.backward else None
             if part is not None:
                 began.setdefault(part, start)
@@ -239,7 +216,7 @@ def _play(ops: list[Op], hw: Hardware, dtype: str, known: list | None) -> dict:
     backward_at = min(began.get("backward", optimizer_at), optimizer_at)
     attention_s = end * kernels["attention"] / kernels["all"] if kernels["all"] else 0.0
     if known is None:
-        return {"spans": played}
+        return {"spans": beside.played}
     return {"step_s": end, **out, "forward_s": backward_at, "backward_s": optimizer_at - backward_at,
             "attention_s": attention_s, "comm_s": comm_s, "executed_flops": flops,
             "attention_kernels": attention_kernels(ops, hw), "floor_s": floor_seconds(ops, hw, dtype)}
@@ -262,6 +239,31 @@ def floor_seconds(ops: list[Op], hw: Hardware, dtype: str) -> float:
                 total += op.flops / (hw.peak(dtype) * hw.efficiency[key] * efficiency.best_factor(*kernel_class(key),
                                                                                                    hw))
     return total
+
+
+class _Beside:
+    """The collectives a kernel may run beside (NCCL's kernels hold `share` of the SMs while they run). The first play
+    (`known` None) sees those issued so far, dropping each once a kernel starts after its end (kernels start in
+    order); the second sees `known`, every span of the first play merged, found by bisection (sorting every
+    collective of the step at each kernel was quadratic). `played`: the spans this play ran, whole."""
+
+    def __init__(self, share: float, known: list | None):
+        self.share, self.known = share, known
+        self.ends = [b for _, b in known or ()]
+        self.live: list[tuple[float, float]] = []
+        self.played: list[tuple[float, float]] = []
+
+    def ran(self, start: float, end: float) -> None:
+        self.live.append((start, end))
+        self.played.append((start, end))
+
+    def kernel(self, start: float, dur: float) -> float:
+        """The duration of a kernel that starts at `start` and takes `dur` on a GPU of its own."""
+        if self.known is not None:
+            first = bisect.bisect_right(self.ends, start)
+            return _beside_collectives(start, dur, self.known, self.share, first) if self.known else dur
+        self.live = [s for s in self.live if s[1] > start]
+        return _beside_collectives(start, dur, _union(sorted(self.live)), self.share) if self.live else dur
 
 
 def _beside_collectives(start: float, dur: float, spans: list, share: float, first: int = 0) -> float:
