@@ -73,6 +73,17 @@ def test_without_a_table_a_gemm_follows_a_published_k_sweep_by_its_epilogue():
         assert modelled[k] / modelled[16384] == pytest.approx(tflops / published[16384], rel=0.05), k
 
 
+def test_without_a_table_no_gemm_is_priced_past_the_fastest_shape_its_figure_was_searched_from():
+    # the A100's figure is the best of a search of shapes (271.2 TFLOP/s at 1024 x 10240 x 5120): its waves-and-
+    # epilogue arithmetic would put full-wave, long-K GEMMs (a 70B's MLP) 2-5 % past it
+    a100 = hardware.load("a100-sxm")
+    best = 271.2
+    assert _tflops(a100, 1024, 10240, 5120) == pytest.approx(best, rel=1e-3)
+    for shape in ((8192, 28672, 8192), (8192, 8192, 28672), (16384, 5120, 13824)):
+        assert _tflops(a100, *shape) == pytest.approx(best, rel=1e-3), shape
+    assert _tflops(a100, 8192, 4096, 4096) < best - 10  # a short K pays its epilogue
+
+
 def test_a_gemm_whose_tiles_leave_the_last_wave_part_empty_runs_slower():
     assert efficiency.waves(128 * 132, 256, 1, 132) == 1.0  # 132 tiles on 132 SMs
     assert efficiency.waves(128 * 133, 256, 1, 132) < 0.51  # one tile (or two) spills into a second wave

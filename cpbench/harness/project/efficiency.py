@@ -19,7 +19,9 @@ output, both arithmetic on published facts, not fits:
   628, 705, 736, 758, 766 TFLOP/s at K = 256 ... 16384) to 2 % at every K with one core efficiency;
 - the core efficiency is solved from the profile's best-shape figure (ml-engineering's Maximum Achievable Matmul
   FLOPS table: the shape it was measured at, with its waves and epilogue, is in the profile). No sustained (MSMF)
-  figure of an Ampere GPU was read: the A100's is a burst table's.
+  figure of an Ampere GPU was read: the A100's is a burst table's;
+- and no shape runs faster than that figure: it is the fastest of the shapes its search measured (the A100's core
+  efficiency, 0.917, would put a long-K, full-wave GEMM at 286 TFLOP/s, 5 % past the 271.2 the search's best reached).
 
 Which efficiency an op is priced at (`efficiency_key`: a model's own SDPA call runs the kernel the profile names).
 
@@ -143,7 +145,8 @@ def gemm_seconds(flops: float, nbytes: float, shape: tuple, hw, dtype: str) -> f
         share = _table_share(arch, groups, m, n, k)
         return max(max(flops, padded) / (hw.peak(dtype) * hw.efficiency["gemm"] * share), memory)
     math_s = flops / (hw.peak(dtype) * gemm_core(hw, dtype) * waves(m, n, groups, hw.sms))
-    return max(math_s + out_bytes / _hbm(hw), memory)
+    best_s = flops / (hw.peak(dtype) * hw.efficiency["gemm"])  # no shape beats the fastest one the search found
+    return max(math_s + out_bytes / _hbm(hw), best_s, memory)
 
 
 def _hbm(hw) -> float:
