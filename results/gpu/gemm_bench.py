@@ -16,7 +16,9 @@ timings, both of mamf-finder.py's operands in the point's dtype: A (m, k) contig
 - sustained: the step's GEMMs in the trace's order, replayed back to back for --seconds (the load of a training
   step's GEMMs, long enough for the clock to settle at the card's power and thermal limits), each replay timed by
   CUDA events; the SM clock and board power sampled meanwhile (NVML, every 0.1 s), with the card's maximum SM clock
-  and enforced power limit beside them.
+  and enforced power limit beside them; and how much the same stretch of the replay (10 ms, 50 ms: about a layer,
+  250 ms: MSMF's sub-window, which 'at the power cap ... jitters by up to ~4 %', ml-engineering mamf-finder's README)
+  varies from replay to replay: the wandering a synchronous step on many GPUs waits out at every collective.
 Writes one CSV row per distinct shape and a JSON summary beside it (<out>.json): the step's GEMM seconds priced, as
 the sum of the bursts, and sustained (the median replay), and the clocks. `--device cpu` runs the same loop on the
 CPU (its times say nothing of a GPU: a check of the script).
@@ -41,6 +43,7 @@ from cpbench.harness.suite.spec import load_suite
 SUITE = Path(__file__).resolve().parents[2] / "suites" / "decompose-llama3-8b.toml"
 FIELDS = ("m", "n", "k", "groups", "count", "gflop", "priced_ms", "burst_ms", "burst_tflops", "priced_tflops")
 WARMUP, TIMED = 50, 100  # mamf-finder.py's defaults (--num_warmup_iterations, --num_iterations)
+WINDOWS = (0.01, 0.05, 0.25)  # the jitter's windows, seconds: a few GEMMs, about a layer, MSMF's sub-window
 
 
 def step_gemms(point, hw) -> list[tuple[tuple, float, float]]:
@@ -67,27 +70,6 @@ def operands(shape: tuple, dtype, device: str):
     lead = (groups,) if groups > 1 else ()
     b = torch.randn(*lead, n, k, dtype=dtype, device=device)
     return torch.randn(*lead, m, k, dtype=dtype, device=device), b.transpose(-1, -2)
-
-
-class Timer:
-    """Seconds of a callable: CUDA events on a GPU, the host's clock on the CPU."""
-
-    def __init__(self, device: str):
-        self.cuda = device == "cuda"
-
-    def __call__(self, fn, reps: int) -> float:
-        if self.cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(reps):
-                fn()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end) / 1e3
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        return time.perf_counter() - t0
 
 
 def burst(shape: tuple, dtype, device: str, warmup: int = WARMUP, timed: int = TIMED) -> float:
@@ -140,24 +122,66 @@ class Sampler(threading.Thread):
 
 
 def sustained(gemms, dtype, device: str, seconds: float) -> dict:
-    """The step's GEMMs replayed in order for `seconds`: the median replay's seconds, and the clocks meanwhile."""
+    """The step's GEMMs replayed in order for `seconds`: the median replay's seconds, the clocks meanwhile, and how
+    much the same GEMMs' time varies from replay to replay (`jitter`, by window: windows())."""
     tensors = {shape: operands(shape, dtype, device) for shape, _, _ in gemms}
     calls = [(torch.bmm if tensors[s][0].dim() == 3 else torch.mm, *tensors[s]) for s, _, _ in gemms]
+    cuda = device == "cuda"
+    marks = [torch.cuda.Event(enable_timing=True) for _ in range(len(calls) + 1)] if cuda else []
 
-    def replay():
-        for mm, a, b in calls:
+    def replay() -> list[float]:
+        """Each GEMM's seconds: CUDA events between them (queued, one synchronization at the end)."""
+        stamps = [] if cuda else [time.perf_counter()]
+        if cuda:
+            marks[0].record()
+        for i, (mm, a, b) in enumerate(calls):
             mm(a, b)
+            if cuda:
+                marks[i + 1].record()
+            else:
+                stamps.append(time.perf_counter())
+        if cuda:
+            marks[-1].synchronize()
+            return [marks[i].elapsed_time(marks[i + 1]) / 1e3 for i in range(len(calls))]
+        return [b - a for a, b in zip(stamps, stamps[1:])]
 
-    timer, sampler, times = Timer(device), Sampler(), []
+    sampler, replays = Sampler(), []
     sampler.start()
     t0 = time.perf_counter()
-    while time.perf_counter() - t0 < seconds or not times:
-        times.append(timer(replay, 1))
+    while time.perf_counter() - t0 < seconds or not replays:
+        replays.append(replay())
     sampler.stop.set()
     sampler.join()
+    times = [sum(r) for r in replays]
     mean = (lambda xs: statistics.fmean(xs) if xs else None)
     return {"sustained_s": statistics.median(times), "replays": len(times), "first_replay_s": times[0],
-            "sm_clock_mhz": mean(sampler.clocks), "power_w": mean(sampler.watts), **sampler.limits}
+            "sm_clock_mhz": mean(sampler.clocks), "power_w": mean(sampler.watts), **sampler.limits,
+            "jitter": {str(w): jitter(replays[1:], windows([p for _, _, p in gemms], w)) for w in WINDOWS}}
+
+
+def windows(priced: list[float], width: float) -> list[range]:
+    """The replay's GEMMs cut, in order, into runs of about `width` priced seconds (a layer's GEMMs take tens of ms)."""
+    out, start, acc = [], 0, 0.0
+    for i, p in enumerate(priced):
+        acc += p
+        if acc >= width:
+            out.append(range(start, i + 1))
+            start, acc = i + 1, 0.0
+    return out
+
+
+def jitter(replays: list[list[float]], cuts: list[range]) -> float | None:
+    """How much the same window of GEMMs varies from replay to replay: each window's standard deviation over its mean
+    across the replays (the first left out: the clock settling), the median over the windows. What the clock's
+    wandering at the power limit does to a stretch of work that long: a synchronous step on n GPUs waits, at each
+    collective, for the slowest GPU's stretch. None: fewer than three replays."""
+    if len(replays) < 3 or not cuts:
+        return None
+    spreads = []
+    for cut in cuts:
+        seconds = [sum(r[i] for i in cut) for r in replays]
+        spreads.append(statistics.stdev(seconds) / statistics.fmean(seconds))
+    return statistics.median(spreads)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -198,7 +222,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"the step's {summary['gemms']} GEMMs on {name}: priced {summary['priced_s'] * 1e3:.1f} ms "
           f"({hw.name}), bursts {summary['burst_s'] * 1e3:.1f} ms, sustained {summary['sustained_s'] * 1e3:.1f} ms "
           f"(median of {summary['replays']} replays); SM clock {summary['sm_clock_mhz']} of "
-          f"{summary.get('max_sm_clock_mhz')} MHz, {summary['power_w']} of {summary.get('power_limit_w')} W")
+          f"{summary.get('max_sm_clock_mhz')} MHz, {summary['power_w']} of {summary.get('power_limit_w')} W; "
+          f"replay-to-replay spread of a window (s: std/mean) {summary['jitter']}")
     return summary
 
 

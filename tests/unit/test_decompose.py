@@ -148,6 +148,17 @@ def test_the_gemm_bench_times_the_projected_steps_own_gemms_priced_as_the_decomp
     assert summary["priced_s"] == pytest.approx(projected["classes"]["gemm"])
     assert summary["burst_s"] > 0 and summary["sustained_s"] > 0 and summary["replays"] >= 1
     assert summary["sm_clock_mhz"] is None and "power_limit_w" not in summary  # no NVML device on the CPU
+    assert set(summary["jitter"]) == {str(w) for w in bench.WINDOWS}
+    # the replay cut into windows of ~w priced seconds, in order, every GEMM in one (but a short tail)
+    priced = [0.004, 0.004, 0.004, 0.02, 0.001, 0.001]
+    assert bench.windows(priced, 0.01) == [range(0, 3), range(3, 4)]
+    # the same window's spread across replays, the first left out: a steady window none, one that wanders its own
+    steady = [[1.0, 2.0]] * 4
+    wandering = [[9.0, 2.0], [1.0, 2.0], [1.1, 2.0], [0.9, 2.0]]
+    assert bench.jitter(steady[1:], [range(0, 1), range(1, 2)]) == 0.0
+    assert bench.jitter(wandering[1:], [range(0, 1)]) == pytest.approx(0.1)
+    assert bench.jitter(wandering[1:], [range(0, 1), range(1, 2), range(0, 2)]) == pytest.approx(0.1 / 3)
+    assert bench.jitter(steady[:2], [range(0, 1)]) is None  # too few replays to say
     a, b = bench.operands((4, 3, 2, 1), torch.float32, "cpu")  # mamf-finder.py's: B an (n, k) matrix transposed
     assert a.shape == (4, 2) and a.is_contiguous() and b.shape == (2, 3) and b.stride() == (1, 2)
 
