@@ -7,7 +7,8 @@ between its points; a dimension past 4096 takes the 4096 value (the kernels are 
 costs as 256 (a tile is that wide). The table gives the shape's share of its best single GEMM (b = 1: its 4096^3
 point), whose level the profile's `gemm` sets: the best rate one GEMM sustains under full load (ml-engineering's
 MSMF), as a step runs its GEMMs back to back for seconds. A batched call the table has faster than its best single
-one (b = 4: 1.03 x on the H100, 1.18 x on the B200) is priced so.
+one (b = 4: 1.03 x on the H100, 1.18 x on the B200, a burst table's) is priced at that level too: a sustained rate is
+the power limit's, which a batch of the same products meets alike (1.18 x MSMF on the B200 is its boost burst, MAMF).
 
 Elsewhere (Ampere) a call costs its FLOPs over the core efficiency times its wave efficiency, plus the write of its
 output, both arithmetic on published facts, not fits:
@@ -142,7 +143,7 @@ def gemm_seconds(flops: float, nbytes: float, shape: tuple, hw, dtype: str) -> f
     if arch is not None:  # measured: a dimension under the table's smallest costs as that one
         lo = 256
         padded = 2.0 * max(groups, 1) * max(m, lo) * max(n, lo) * max(k, lo)
-        share = _table_share(arch, groups, m, n, k)
+        share = min(_table_share(arch, groups, m, n, k), 1.0)  # a batch sustains no more than the best shape does
         return max(max(flops, padded) / (hw.peak(dtype) * hw.efficiency["gemm"] * share), memory)
     math_s = flops / (hw.peak(dtype) * gemm_core(hw, dtype) * waves(m, n, groups, hw.sms))
     best_s = flops / (hw.peak(dtype) * hw.efficiency["gemm"])  # no shape beats the fastest one the search found
