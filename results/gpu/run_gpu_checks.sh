@@ -15,8 +15,9 @@
 #      this GPU's profile (cpbench/harness/project/decompose.py): -> results/gpu/decompose.csv and decompose.log;
 #   1b. the same step's GEMMs shape by shape (results/gpu/gemm_bench.py): each timed as a burst (mamf-finder.py's
 #      benchmark_mm) and all of them replayed for 10 s (a step's sustained load, as the profiles' `gemm` figures,
-#      ml-engineering's MSMF, are sustained rates) with the SM clock and power sampled, beside their price:
-#      -> results/gpu/gemm.csv, gemm.csv.json and gemm.log;
+#      ml-engineering's MSMF, are sustained rates) with the SM clock and power sampled, beside their price, and the
+#      same stretch's spread from replay to replay (`jitter`: what a step synchronized once a layer waits out on its
+#      slowest GPU): -> results/gpu/gemm.csv, gemm.csv.json and gemm.log;
 #   1c. the element-wise kernels' figures on this GPU (results/gpu/elementwise_bench.py, then the fit of
 #      cpbench.harness.project.elementwise): -> results/gpu/elementwise.csv and elementwise.log;
 #   2. the Qwen3-0.6B reference suite (suites/qwen3-0.6b-long.toml: bf16, 16k and 32k tokens, cp 1 and 2, sdpa,
