@@ -134,20 +134,21 @@ def gemm_core(hw, dtype: str) -> float:
 
 
 def gemm_seconds(flops: float, nbytes: float, shape: tuple, hw, dtype: str) -> float:
-    """One GEMM: its main loop, then its output written; never faster than its bytes at HBM speed."""
-    memory = nbytes / _hbm(hw)
-    if len(shape) < 5:  # no shape recorded: the best-shape efficiency
-        return max(flops / (hw.peak(dtype) * hw.efficiency["gemm"]), memory)
+    """One GEMM: its main loop, then its output written; never faster than its bytes at HBM speed, nor than the
+    profile's figure (the fastest its source found: the A100's search of shapes; OpenXLA's batches, bursts, meet the
+    same power limit sustained). No shape recorded: at that figure."""
+    floor = max(nbytes / _hbm(hw), flops / (hw.peak(dtype) * hw.efficiency["gemm"]))
+    if len(shape) < 5:
+        return floor
     m, n, k, groups, out_bytes = shape[:5]
     arch = GEMM_TABLES.get((hw.capability or (0, 0))[0])
     if arch is not None:  # measured: a dimension under the table's smallest costs as that one
         lo = 256
         padded = 2.0 * max(groups, 1) * max(m, lo) * max(n, lo) * max(k, lo)
-        share = min(_table_share(arch, groups, m, n, k), 1.0)  # a batch sustains no more than the best shape does
-        return max(max(flops, padded) / (hw.peak(dtype) * hw.efficiency["gemm"] * share), memory)
+        share = _table_share(arch, groups, m, n, k)
+        return max(max(flops, padded) / (hw.peak(dtype) * hw.efficiency["gemm"] * share), floor)
     math_s = flops / (hw.peak(dtype) * gemm_core(hw, dtype) * waves(m, n, groups, hw.sms))
-    best_s = flops / (hw.peak(dtype) * hw.efficiency["gemm"])  # no shape beats the fastest one the search found
-    return max(math_s + out_bytes / _hbm(hw), best_s, memory)
+    return max(math_s + out_bytes / _hbm(hw), floor)
 
 
 def _hbm(hw) -> float:

@@ -275,8 +275,6 @@ def _beside_collectives(start: float, dur: float, spans: list, share: float, fir
         return dur
     t, left = start, dur  # the work left, in seconds at full speed
     for a, b in spans[first:]:
-        if b <= t:
-            continue
         a = max(a, t)
         if a - t >= left:  # done before this collective starts
             break
