@@ -113,6 +113,42 @@ def test_a_cpu_probe_counts_the_smallest_of_identical_steps():
     assert probe.result()["peak_bytes"] == quiet.result()["peak_bytes"] > 0
 
 
+def test_of_repeats_that_tie_the_one_whose_peak_came_latest_counts():
+    """A late free can lift an earlier moment to exactly the true peak: the totals tie, the breakdowns do not.
+    The tracker keeps the first moment at its peak, so the inflated repeat's moment is the earlier one."""
+    peaks = probes.SegmentPeaks()
+    for at, what in ((10, "step 1, an earlier moment lifted"), (14, "step 2"), (14, "step 3")):
+        peaks.add(300, what, repeat="step", at=at)
+    assert peaks.top() == "step 2"
+    peaks.add(299, "step 4, smaller", repeat="step", at=3)
+    assert peaks.top() == "step 4, smaller"  # the total still comes first
+
+
+def test_a_cpu_probe_keeps_the_clean_breakdown_when_a_late_free_ties_the_peak():
+    """The same on the tracker itself: in one step a buffer made in forward outlives its last use until the
+    backward's first op, which lifts that moment to the step's real peak (the backward's second op)."""
+    import torch
+
+    model = torch.nn.Linear(64, 64, bias=False)
+    probe = probes.CpuMemoryProbe(model, torch.optim.SGD(model.parameters(), lr=0.1), budget=None)
+    x, grad = torch.ones(16, 64), torch.ones(16, 64)
+    extra = 16 * 64 * 4  # the same size as the peak's rise, as in the Ulysses step where this was seen
+    breakdowns = []
+    for late in (True, False, False):
+        with probe.segment(repeat="step"):
+            y = model(x)
+            held = [torch.empty(extra, dtype=torch.uint8)]  # dead after forward; freed late in the first step
+            if not late:
+                held.pop()
+            first = grad * 2  # the moment a late free lifts to the peak
+            held.clear()
+            second = first * 2  # the real peak: first and second live together
+            del first, second, y, held
+        breakdowns.append(probe.peaks.repeats["step"][-1])
+    assert breakdowns[0][0] == breakdowns[1][0] and breakdowns[0][2] < breakdowns[1][2]  # tie, earlier moment
+    assert probe.peaks.top() is breakdowns[1][1]
+
+
 def test_nvml_finds_the_device_by_uuid_not_by_torch_index(monkeypatch):
     """Under CUDA_VISIBLE_DEVICES=2,3 torch's device 0 is physical GPU 2: NVML must be asked by UUID."""
     import types

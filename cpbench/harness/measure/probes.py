@@ -5,7 +5,11 @@ work that is not part of training (the parity capture, the reference) can run be
 segment that repeats the same work (`segment(repeat="step")`, one per identical training step) counts with the
 smallest of its peaks: the noise in a tracked peak only ever inflates it — gloo's worker thread drops its
 references to a finished collective's buffers a moment after the waiting thread has moved on, so a descheduled
-worker keeps a dead buffer counted for a while (seen: +128 KiB on one rank, a few runs in a hundred).
+worker keeps a dead buffer counted for a while (seen: +128 KiB on one rank, a few runs in a hundred). Where such a
+buffer lifts an earlier moment of the step to exactly the true peak (seen once: +32 KiB in the backward of a
+Ulysses step, where the next moment's rise was also 32 KiB), the repeats tie on the total but not on the
+breakdown. A tracker records the first moment that reaches its peak, so inflation can only move that moment
+earlier: among tied repeats, the one whose peak came latest in its step is the clean one.
 
 - CPU: `torch.distributed._tools.mem_tracker.MemTracker`, a dispatch-mode tracker of live tensor storages
   (it also follows `UntypedStorage.resize_`, which FSDP2 uses to (un)shard parameters). Its snapshot at the
@@ -48,6 +52,8 @@ def _mem_tracker_class():
         budget: int | None = None
         _in_host_phase = False
         _peak_due = None  # set while an op runs: the tracker's peak update waits until its outputs are placed
+        ops = 0  # ops dispatched since the segment began; `peak_at`: the count when the peak was first reached
+        peak_at = 0
 
         def _update_peak_stats(self, peak_state) -> None:
             if self._peak_due is not None:
@@ -57,6 +63,8 @@ def _mem_tracker_class():
                 if self._peak_mem.get(dev, 0) < snap["Total"]:
                     self._peak_mem[dev] = snap["Total"]
                     self._peak_mem_snap[dev] = dict(snap)
+                    if dev != HOST:
+                        self.peak_at = self.ops
 
         def to_host(self, tensor: torch.Tensor, storages=None) -> None:
             from torch.distributed._tools.mem_tracker import _UpdateType
@@ -79,6 +87,7 @@ def _mem_tracker_class():
                 self._in_host_phase = outer
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops += 1
             self._peak_due = False
             try:
                 out = super().__torch_dispatch__(func, types, args, kwargs)
@@ -102,17 +111,18 @@ def _mem_tracker_class():
 
 class SegmentPeaks:
     """The peak over segments: the max of the one-off segments' peaks and, per kind of repeated segment, the
-    smallest of its repeats' peaks (see the module docstring for why the smallest) — unless the repeats grew
-    every time (at least 3, each above the one before): that is memory kept step after step, not noise, so the
-    last one counts and `notes` says by how much it grew."""
+    smallest of its repeats' peaks (see the module docstring for why the smallest; of repeats that tie, the one
+    whose peak came latest in its segment, `at`) — unless the repeats grew every time (at least 3, each above the
+    one before): that is memory kept step after step, not noise, so the last one counts and `notes` says by how
+    much it grew."""
 
     def __init__(self):
         self.once: tuple[int, object] | None = None
-        self.repeats: dict[str, list[tuple[int, object]]] = {}
+        self.repeats: dict[str, list[tuple[int, object, int]]] = {}
 
-    def add(self, total: int, detail, repeat: str | None = None) -> None:
+    def add(self, total: int, detail, repeat: str | None = None, at: int = 0) -> None:
         if repeat is not None:
-            self.repeats.setdefault(repeat, []).append((total, detail))
+            self.repeats.setdefault(repeat, []).append((total, detail, at))
         elif self.once is None or total > self.once[0]:
             self.once = (total, detail)
 
@@ -121,7 +131,7 @@ class SegmentPeaks:
         return len(peaks) >= 3 and all(b[0] > a[0] for a, b in zip(peaks, peaks[1:]))
 
     def _counted(self, peaks: list[tuple[int, object]]) -> tuple[int, object]:
-        return peaks[-1] if self._grew(peaks) else min(peaks, key=lambda c: c[0])
+        return peaks[-1] if self._grew(peaks) else min(peaks, key=lambda c: (c[0], -c[2]))
 
     def top(self):
         """The detail of the largest counted peak (None before any segment)."""
@@ -150,6 +160,7 @@ class CpuMemoryProbe:
     @contextlib.contextmanager
     def segment(self, repeat: str | None = None):
         self.tracker.reset_mod_stats()  # MemTracker keeps per-module stats of one iteration only
+        self.tracker.ops = self.tracker.peak_at = 0
         self.host.reset_step()
         with no_gc(), self.tracker:
             yield
@@ -157,7 +168,8 @@ class CpuMemoryProbe:
         host = peaks.pop(HOST, None)
         if peaks:  # none only if nothing was ever tracked; a 0 would win the repeats' minimum
             snap = max(peaks.values(), key=lambda s: s["Total"])
-            self.peaks.add(snap["Total"], (dict(snap), host, self.host.d2h_bytes, self.host.h2d_bytes), repeat)
+            self.peaks.add(snap["Total"], (dict(snap), host, self.host.d2h_bytes, self.host.h2d_bytes), repeat,
+                           at=self.tracker.peak_at)
 
     def result(self) -> dict:
         p, host, self.host.d2h_bytes, self.host.h2d_bytes = self.peaks.top() or ({"Total": 0}, None, 0, 0)
