@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from cpbench.harness.project import elementwise
+from cpbench.harness.project.elementwise import fit as elementwise
 
 FIELDS = ("line", "kernel_name", "kernel_provider", "kernel_operation_mode", "x_name", "x_value", "y_value_50_ms",
           "extra_benchmark_config_str", "gpu_name", "timestamp", "liger_version")

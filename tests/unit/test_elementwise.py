@@ -1,4 +1,4 @@
-"""The element-wise kernels' figures (elementwise.py): the shipped H100 SXM profile holds what the fit to the published
+"""The element-wise kernels' figures (harness/project/elementwise): the shipped H100 SXM profile holds what the fit to the published
 eager timings gives, the fit holds the rows it was not fitted on, and the trace tells a strided kernel from a
 contiguous or broadcast one as torch's CUDA loop does."""
 
@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from cpbench.harness.project import elementwise
+from cpbench.harness.project.elementwise import fit as elementwise
 from cpbench.harness.project.hardware import builtin
 from cpbench.harness.project.timing import op_seconds
 from cpbench.harness.project.trace import Op, StepTrace
@@ -73,7 +73,7 @@ def test_other_profiles_hold_the_figures_fitted_to_their_own_gpus_rows(gpu):
 
 @pytest.mark.parametrize("gpu", sorted(OTHER_GPUS))
 def test_the_rope_rows_trace_what_their_benchmark_script_timed(gpu):
-    """transformers' RoPE as each script version timed it (elementwise._hf_rope): both q and k rotated in the forward,
+    """transformers' RoPE as each script version timed it (elementwise/modules.py, _hf_rope): both q and k rotated in the forward,
     the slice's negation, the concatenation and the add of two layouts strided, the broadcast multiplies not; the 2024
     script (the A100's rows) takes both outputs' gradients with autograd.grad, a gradient made outside the timed call,
     nothing accumulated; the 2026 one (the B200's) backpropagates the query's output only, a gradient drawn inside the

@@ -93,7 +93,7 @@ class Hardware:
     # (cp/recompute.py; dispatch.py)
     cpu_selective_op_s: float = 0.0
     # an element-wise kernel's fixed time beyond its bytes at the efficient HBM bandwidth: its first wave's DRAM
-    # latency and its tail, a time that does not shrink with a faster memory (elementwise.py)
+    # latency and its tail, a time that does not shrink with a faster memory (elementwise/)
     memory_ramp_s: float = 0.0
 
     def memory_efficiency(self, strided: bool = False) -> float:

@@ -193,7 +193,7 @@ def strided(inputs: list[torch.Tensor], written: list[torch.Tensor]) -> bool:
     view with gaps (a chunk or slice along an inner dim: not non-overlapping and dense) or is laid out in another
     order than the result (a transpose copied contiguous). A broadcast operand (a zero stride, or a smaller shape: a
     norm's weight, a row's statistic) is left out: the published add + RMSNorm timings, whose multiplies broadcast,
-    run at the contiguous figure (elementwise.py)."""
+    run at the contiguous figure (elementwise/)."""
     def order(t):  # the dims from outermost to innermost in memory, size-1 dims left out
         return tuple(sorted((d for d in range(t.dim()) if t.shape[d] > 1), key=lambda d: -t.stride(d)))
 
