@@ -192,8 +192,9 @@ def strided(inputs: list[torch.Tensor], written: list[torch.Tensor]) -> bool:
     layout, so a transposed tensor whose result is laid out alike runs vectorized. It does not where an operand is a
     view with gaps (a chunk or slice along an inner dim: not non-overlapping and dense) or is laid out in another
     order than the result (a transpose copied contiguous). A broadcast operand (a zero stride, or a smaller shape: a
-    norm's weight, a row's statistic) is left out: the published add + RMSNorm timings, whose multiplies broadcast,
-    run at the contiguous figure (elementwise/)."""
+    norm's weight, a row's statistic) is left out, priced at the contiguous figure as every fit prices it, though the
+    same loop runs it unvectorized: the H100's published add + RMSNorm and complex RoPE, whose multiplies broadcast,
+    run 5-20 % under that figure (docs/time.md), and module totals cannot set a figure of their own (elementwise/)."""
     def order(t):  # the dims from outermost to innermost in memory, size-1 dims left out
         return tuple(sorted((d for d in range(t.dim()) if t.shape[d] > 1), key=lambda d: -t.stride(d)))
 

@@ -19,6 +19,7 @@ MLP_DATA = {"a100-sxm": DATA.with_name("liger_a100_mlp.csv"),  # transformers' L
             "b200": DATA.with_name("liger_b200_mlp.csv")}        # priced, never fitted
 ADD_NORM_DATA = DATA.with_name("liger_b200_add_rms_norm.csv")  # the 8B's residual add + RMSNorm on a B200: priced only
 CE_DATA = DATA.with_name("liger_a100_cross_entropy.csv")  # torch's cross-entropy, 16k rows of 4k-131k: priced only
+COMPLEX_ROPE_DATA = DATA.with_name("liger_h100_llama4_rope.csv")  # torchtitan's complex RoPE on an H100: priced only
 
 
 def module(row: dict):

@@ -123,6 +123,22 @@ def _hf_rope(row: dict, cfg: dict):
     return (lambda: apply_rotary_pos_emb(q, k, cos, sin)[0]), (lambda y: y.backward(torch.randn_like(y))), [q]
 
 
+def _llama4_rope(row: dict, cfg: dict):
+    """benchmark_llama4_rope.py's `huggingface` provider as of its H100 rows (Liger-Kernel 10b6cdec, August 2025):
+    transformers' Llama 4 apply_rotary_emb, the complex RoPE torchtitan's Llama runs (q and k cast to fp32 and viewed
+    as complex, times the complex frequencies broadcast over the heads, cast back), on q and k made (1, T, heads,
+    dim); `full` takes both inputs' gradients with autograd.grad of both outputs. Priced, never fitted."""
+    from transformers.models.llama4.modeling_llama4 import apply_rotary_emb
+
+    x = int(row["x_value"])
+    hidden, tokens = (x, cfg["seq_len"]) if row["x_name"] == "H" else (cfg["hidden_size"], x)
+    heads, dtype = (cfg["num_q_heads"], cfg["num_kv_heads"]), _dtype(cfg)
+    q, k = (torch.randn(1, tokens, n, hidden // heads[0], dtype=dtype, requires_grad=True) for n in heads)
+    freqs = torch.randn(1, tokens, hidden // heads[0] // 2, dtype=torch.complex64)  # Llama4TextRotaryEmbedding's
+    grads = torch.randn_like(q), torch.randn_like(k)
+    return (lambda: apply_rotary_emb(q, k, freqs)), (lambda o: torch.autograd.grad(o, (q, k), grads)), [q, k]
+
+
 def _llama_mlp(row: dict, cfg: dict):
     """benchmark_swiglu.py's and benchmark_geglu.py's `huggingface` provider: transformers' LlamaMLP on a (batch, T,
     hidden) input; `full` backpropagates a gradient drawn in the timed call; only the input's gradient is cleared, so
@@ -155,4 +171,5 @@ def _torch_cross_entropy(row: dict, cfg: dict):
 
 MODULES = {"relu_squared": _relu_squared, "megatron_swiglu": _swiglu, "fused_add_rms_norm": _add_rms_norm,
            "rms_norm": _llama_rms_norm, "jsd": _torch_jsd, "rms_norm/liger": _fused_rms_norm,
-           "rope": _hf_rope, "swiglu": _llama_mlp, "geglu": _llama_mlp, "cross_entropy": _torch_cross_entropy}
+           "rope": _hf_rope, "swiglu": _llama_mlp, "geglu": _llama_mlp, "cross_entropy": _torch_cross_entropy,
+           "llama4_rope": _llama4_rope}
