@@ -245,7 +245,8 @@ class _Beside:
     """The collectives a kernel may run beside (NCCL's kernels hold `share` of the SMs while they run). The first play
     (`known` None) sees those issued so far, dropping each once a kernel starts after its end (kernels start in
     order); the second sees `known`, every span of the first play merged, found by bisection (sorting every
-    collective of the step at each kernel was quadratic). `played`: the spans this play ran, whole."""
+    collective of the step at each kernel was quadratic). `played`: the spans the first play ran, whole (the
+    second, which has them, records none)."""
 
     def __init__(self, share: float, known: list | None):
         self.share, self.known = share, known
@@ -254,8 +255,9 @@ class _Beside:
         self.played: list[tuple[float, float]] = []
 
     def ran(self, start: float, end: float) -> None:
-        self.live.append((start, end))
-        self.played.append((start, end))
+        if self.known is None:
+            self.live.append((start, end))
+            self.played.append((start, end))
 
     def kernel(self, start: float, dur: float) -> float:
         """The duration of a kernel that starts at `start` and takes `dur` on a GPU of its own."""
