@@ -13,6 +13,7 @@ import faulthandler
 import multiprocessing as mp
 import os
 import pickle
+import re
 import socket
 import sys
 import tempfile
@@ -22,6 +23,8 @@ import warnings
 from pathlib import Path
 
 PEER_GRACE_S = 10.0
+# What gloo raises in a rank whose peer died (transport/tcp/pair.cc): the crash's echo, not an error of its own
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 
 
 class RankFailure(RuntimeError):
@@ -122,25 +125,26 @@ def _run_ranks(fn, world_size: int, args: tuple, kwargs: dict, timeout: float) -
             if p.is_alive():
                 p.kill()
                 p.join()
-        results, errors, signalled, raised = [], [], False, False
+        # The report lists what ranks raised first and the crashes last, so a log's tail shows the crash's stacks
+        results, raised, lost, crashed, signalled = [], [], [], [], False
         for r in range(world_size):
             f = Path(out_dir) / f"rank{r}.pkl"
             if not f.exists():
                 results.append(None)
                 if r not in hung:
                     signalled = signalled or (procs[r].exitcode or 0) < 0
-                    errors.append(f"rank {r} exited with code {procs[r].exitcode} and no result{_fault(out_dir, r)}")
+                    crashed.append(f"rank {r} exited with code {procs[r].exitcode} and no result{_fault(out_dir, r)}")
                 continue
             status, value = pickle.loads(f.read_bytes())
             results.append(value if status == "ok" else None)
             if status == "error":
-                raised = True
-                errors.append(f"rank {r} raised:\n{value}")
-        if errors:
-            if hung:
-                errors.append(f"ranks {hung} were stopped {PEER_GRACE_S:.0f}s after that (blocked on the failed rank)")
-            # run again only for a crash alone: where a rank raised, its peers' signals may follow from it
-            raise RankFailure("\n".join(errors), signalled and not raised)
+                (lost if any(s in value for s in PEER_LOST) else raised).append(f"rank {r} raised:\n{value}")
+        if raised or lost or crashed:
+            stopped = [f"ranks {hung} were stopped {PEER_GRACE_S:.0f}s after that (blocked on the failed rank)"]
+            stopped = stopped if hung else []
+            # run again only for a crash alone: where a rank raised an error of its own, its peers' signals may
+            # follow from it; a peer that lost its connection to the crashed rank raised nothing of its own
+            raise RankFailure("\n".join(raised + lost + stopped + crashed), signalled and not raised)
         if hung:
             raise RankFailure(f"ranks {hung} still running after {timeout:.0f}s and were killed")
         return results
@@ -150,6 +154,8 @@ def _fault(out_dir: str, rank: int) -> str:
     """What faulthandler wrote as the rank died from a signal (the Python stack of each thread), or nothing."""
     f = Path(out_dir) / f"rank{rank}.fault"
     text = f.read_text(errors="replace").strip() if f.exists() else ""
+    # Python 3.10+ ends the report with one line naming every loaded extension module (thousands of characters)
+    text = re.sub(r"\n*Extension modules: .*", "", text).strip()
     return f"; its stacks when it died:\n{text}" if text else ""
 
 

@@ -73,6 +73,26 @@ def _rank_1_segfaults_while_rank_0_waits_for_it():
     return "unreachable"
 
 
+def _rank_1_segfaults_in_a_collective(marker: str):
+    """Rank 1 dies from a signal inside an all-reduce (the first time only where `marker` is given): rank 0's gloo
+    raises that its peer closed the connection, as in CI's one such failure."""
+    import faulthandler
+    import os
+    from pathlib import Path
+
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    if os.environ["RANK"] == "1" and not (marker and Path(marker).exists()):
+        if marker:
+            Path(marker).touch()
+        faulthandler._sigsegv()
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    return int(total.item())
+
+
 def _hangs_on_rank_0():
     import os
 
@@ -155,5 +175,24 @@ def test_a_failed_rank_stops_its_blocked_peer_without_waiting_for_the_timeout(sh
 @pytest.mark.timeout(120)
 def test_a_rank_killed_by_a_signal_stops_its_blocked_peer_without_waiting_for_the_timeout(monkeypatch, short_grace):
     monkeypatch.setenv("CPBENCH_SPAWN_RETRY", "0")  # one try: the grace period is under test, not the retry
-    with pytest.raises(RankFailure, match=r"(?s)rank 1 exited with code -11.*ranks \[0\] were stopped"):
+    with pytest.raises(RankFailure, match=r"(?s)ranks \[0\] were stopped.*rank 1 exited with code -11"):
         run_ranks(_rank_1_segfaults_while_rank_0_waits_for_it, 2, timeout=600)
+
+
+@pytest.mark.timeout(120)
+def test_a_crash_in_a_collective_is_run_again_though_its_peer_raised_that_the_connection_closed(tmp_path):
+    # the peer's error is the crash's echo (gloo: "Connection closed by peer"), not an error of its own
+    with pytest.warns(UserWarning, match=r"(?s)a rank was killed by a signal; once more.*exited with code -11"):
+        assert run_ranks(_rank_1_segfaults_in_a_collective, 2, str(tmp_path / "crashed-once")) == [2, 2]
+
+
+@pytest.mark.timeout(120)
+def test_the_crash_report_comes_last_with_its_stacks_and_without_the_extension_modules_line(monkeypatch, short_grace):
+    monkeypatch.setenv("CPBENCH_SPAWN_RETRY", "0")
+    with pytest.raises(RankFailure) as failure:
+        run_ranks(_rank_1_segfaults_in_a_collective, 2, "")
+    text = str(failure.value)
+    peer = max(text.find("rank 0 raised"), text.find("ranks [0] were stopped"))
+    assert 0 <= peer < text.index("rank 1 exited with code -11"), text
+    assert "_rank_1_segfaults_in_a_collective" in text[text.index("rank 1 exited"):], text  # its Python stack
+    assert "Extension modules" not in text and failure.value.signalled, text
