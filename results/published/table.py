@@ -2,8 +2,11 @@
 mean absolute error over the judged rows, all of them and the short regime (<= 64k tokens per GPU) apart. Where a
 source publishes its peak memory per GPU too (`peak_gb`, in GB as published), a second table sets the projected peak
 beside it; where it times parts of the step (`parts`), a third sets the projected parts beside them; a fourth says,
-for each side-by-side comparison of orderings.toml, whether the projections come out in the order measured."""
+for each side-by-side comparison of orderings.toml, whether the projections come out in the order measured.
+Beside table.md it writes the judged rows' step-time errors into the package (cpbench/harness/project/record.json),
+from which `cpbench estimate` tells a point's regime's record."""
 
+import json
 import tomllib
 from pathlib import Path
 
@@ -12,6 +15,7 @@ import pandas as pd
 from cpbench.report.runs import store
 
 HERE = Path(__file__).parent
+RECORD = HERE.parents[1] / "cpbench" / "harness" / "project" / "record.json"
 SHORT = 65536  # tokens per GPU: the short regime
 
 
@@ -68,9 +72,25 @@ def render() -> str:
     return "\n".join(lines) + "\n"
 
 
+def record() -> str:
+    """record.json's text: each judged row's projected step against its measured one (`step_error`: projected over
+    measured, less one; below zero the projection ran short, i.e. fast), with the regime it stands for."""
+    rows = []
+    for name, m in tomllib.loads((HERE / "measurements.toml").read_text()).items():
+        value, _ = projected(name, m["unit"])
+        if value is None or not m.get("judged", True):
+            continue
+        ratio = value / m["measured"] if m["unit"] == "s" else m["measured"] / value  # a rate: the step is its inverse
+        rows.append({"name": name, "tokens_per_gpu": m["tokens_per_gpu"], "gpus": int(_row(name)["world_size"]),
+                     "step_error": round(ratio - 1, 4)})
+    body = ",\n".join(f"  {json.dumps(r)}" for r in rows)  # a row a line: a re-projection reads as a small diff
+    return f'{{"source": "results/published/table.md (python results/published/table.py)", "rows": [\n{body}\n]}}\n'
+
+
 def main() -> None:
     text = render()
     (HERE / "table.md").write_text(text)
+    RECORD.write_text(record())
     print(text, end="")
 
 

@@ -3,6 +3,8 @@ report, compare and gate commands on a projected run."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from cpbench.cli import main
@@ -79,6 +81,16 @@ def test_the_quick_form_projects_one_model_without_a_suite(tmp_path, capsys):
     cp2 = df[df["cp_size"] == 2]
     assert (cp2["comm_p2p_count"] > 0).all() and (cp2["comm_all_gather_count"] > 0).all()
     assert len(cp2["peak_bytes_per_rank"].iloc[0]) == 2
+
+
+def test_a_timed_point_is_told_its_regimes_record_against_published_measurements(tmp_path, capsys):
+    rc, df = _estimate(tmp_path, "--model", "tiny-qwen3", "--seq", "128", "--cp", "2", "--world-size", "4",
+                       "--gpu", "h100-sxm")
+    assert rc == 0 and df["projected_step_s"].notna().all()
+    out = capsys.readouterr().out
+    # 128 tokens over cp 2 on 4 GPUs: the short regime on several GPUs, whose rows table.md judges
+    assert "the step-time model's record" in out
+    assert re.search(r"<= 64k tokens per GPU on several GPUs: \d+ published measurements, projected steps", out), out
 
 
 @pytest.mark.parametrize("args, message", [

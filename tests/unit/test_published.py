@@ -97,6 +97,9 @@ def test_the_committed_table_is_what_its_runs_and_measurements_give():
     # table.md is written by table.py from the runs and measurements.toml: a changed note or a re-projected row
     # without the table rewritten (bash results/published/run.sh, or its last line alone) shows here
     assert _table_script().render() == (PUBLISHED / "table.md").read_text()
+    # and the record `cpbench estimate` prints from (the package's copy of the judged rows' step errors)
+    table = _table_script()
+    assert table.record() == table.RECORD.read_text(), "regenerate: python results/published/table.py"
 
 
 def test_the_docs_copies_of_published_rows_are_the_tables():
