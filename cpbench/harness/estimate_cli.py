@@ -170,6 +170,7 @@ def _toml(value) -> str:
 
 def estimate_command(args) -> int:
     from cpbench.harness.project.estimate import EstimateOptions, run_estimate
+    from cpbench.harness.project.figures import record_block
     from cpbench.harness.run.summary import summary_table
     from cpbench.report.runs import store
     from cpbench.report.tables import fits
@@ -193,13 +194,9 @@ def estimate_command(args) -> int:
               "--device-memory 80GiB to check.")
     if args.gpu is None:
         print("no --gpu given: no time projected; give --gpu h100-sxm (or a100-sxm, h200, ...) for step times.")
-    timed = df[df["projected_step_s"].notna()]
-    if len(timed):
-        from cpbench.harness.project.figures import record_lines
-
-        points = zip(timed["seq_len"] * timed["batch_size"] / timed["cp_size"], timed["world_size"])
-        print("\nthe step-time model's record (results/published/table.md; docs/time.md says where it errs):")
-        print("\n".join(f"  {line}" for line in record_lines(points)))
+    record = record_block(df)
+    if record:
+        print(f"\n{record}")
     if (df["host_node_peak_bytes"].fillna(0) > 0).any() and df["host_memory_budget_bytes"].isna().all():
         print("no host capacity given (--host-memory): the host memory of a node (host/node) was not checked; give "
               "--host-memory 2TiB to check.")

@@ -88,6 +88,7 @@ def _documents(text: str | None):
 
 
 def plan_command(args) -> int:
+    from cpbench.harness.project.figures import record_block
     from cpbench.harness.project.plan import PlanOptions, ranked, run_plan
     from cpbench.report.runs import store
 
@@ -112,6 +113,9 @@ def plan_command(args) -> int:
     df = store.read_run(run_dir)
     best = ranked(df).head(args.top)
     print(plan_table(best))
+    record = record_block(best)  # the ranking's absolute times: how far they ran from published ones of that regime
+    if record:
+        print(f"\n{record}")
     if len(best):
         print("\n#1 in a training loop: from_pretrained(..., distributed_config=cpbench." + _config(best.iloc[0]) + ")"
               + "".join(f"; {call}" for call in _model_calls(best.iloc[0])))

@@ -127,6 +127,16 @@ def record_lines(points, rows: list[dict] | None = None) -> list[str]:
     return out
 
 
+def record_block(df) -> str:
+    """The record's lines for a run's timed rows, under a heading, or nothing where no row is timed."""
+    timed = df[df["projected_step_s"].notna()] if "projected_step_s" in df else df.iloc[:0]
+    if not len(timed):
+        return ""
+    points = zip(timed["seq_len"] * timed["batch_size"] / timed["cp_size"], timed["world_size"])
+    return ("the step-time model's record (results/published/table.md; docs/time.md says where it errs):\n"
+            + "\n".join(f"  {line}" for line in record_lines(points)))
+
+
 def _span(lo: float, hi: float) -> str:
     if hi < 0:
         return f"{-100 * hi:.0f} to {-100 * lo:.0f} % shorter"
