@@ -23,8 +23,9 @@ import warnings
 from pathlib import Path
 
 PEER_GRACE_S = 10.0
-# What gloo raises in a rank whose peer died (transport/tcp/pair.cc): the crash's echo, not an error of its own
-PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+# What a rank raises when a peer died (gloo's transport/tcp/pair.cc; torch's TCPStore where the dead rank hosted it),
+# read in the exception's own line: the crash's echo, not an error of its own
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Connection was likely closed")
 
 
 class RankFailure(RuntimeError):
@@ -138,9 +139,9 @@ def _run_ranks(fn, world_size: int, args: tuple, kwargs: dict, timeout: float) -
             status, value = pickle.loads(f.read_bytes())
             results.append(value if status == "ok" else None)
             if status == "error":
-                (lost if any(s in value for s in PEER_LOST) else raised).append(f"rank {r} raised:\n{value}")
+                (lost if _peer_lost(value) else raised).append(f"rank {r} raised:\n{value}")
         if raised or lost or crashed:
-            stopped = [f"ranks {hung} were stopped {PEER_GRACE_S:.0f}s after that (blocked on the failed rank)"]
+            stopped = [f"ranks {hung} were stopped {PEER_GRACE_S:.0f}s after a rank failed (blocked on it)"]
             stopped = stopped if hung else []
             # run again only for a crash alone: where a rank raised an error of its own, its peers' signals may
             # follow from it; a peer that lost its connection to the crashed rank raised nothing of its own
@@ -148,6 +149,12 @@ def _run_ranks(fn, world_size: int, args: tuple, kwargs: dict, timeout: float) -
         if hung:
             raise RankFailure(f"ranks {hung} still running after {timeout:.0f}s and were killed")
         return results
+
+
+def _peer_lost(traceback_text: str) -> bool:
+    """Whether a rank's traceback ends in an exception that says a peer went away (`PEER_LOST`)."""
+    lines = traceback_text.strip().splitlines()
+    return bool(lines) and any(s in lines[-1] for s in PEER_LOST)
 
 
 def _fault(out_dir: str, rank: int) -> str:

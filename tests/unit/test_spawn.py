@@ -93,6 +93,15 @@ def _rank_1_segfaults_in_a_collective(marker: str):
     return int(total.item())
 
 
+def _rank_0_raises_while_rank_1_segfaults():
+    import faulthandler
+    import os
+
+    if os.environ["RANK"] == "1":
+        faulthandler._sigsegv()
+    raise KeyError("rank 0's own failure")
+
+
 def _hangs_on_rank_0():
     import os
 
@@ -182,7 +191,8 @@ def test_a_rank_killed_by_a_signal_stops_its_blocked_peer_without_waiting_for_th
 @pytest.mark.timeout(120)
 def test_a_crash_in_a_collective_is_run_again_though_its_peer_raised_that_the_connection_closed(tmp_path):
     # the peer's error is the crash's echo (gloo: "Connection closed by peer"), not an error of its own
-    with pytest.warns(UserWarning, match=r"(?s)a rank was killed by a signal; once more.*exited with code -11"):
+    with pytest.warns(UserWarning, match=r"(?s)a rank was killed by a signal; once more.*rank 0 raised:.*"
+                                         r"Connection (closed|reset) by peer.*exited with code -11"):
         assert run_ranks(_rank_1_segfaults_in_a_collective, 2, str(tmp_path / "crashed-once")) == [2, 2]
 
 
@@ -196,3 +206,11 @@ def test_the_crash_report_comes_last_with_its_stacks_and_without_the_extension_m
     assert 0 <= peer < text.index("rank 1 exited with code -11"), text
     assert "_rank_1_segfaults_in_a_collective" in text[text.index("rank 1 exited"):], text  # its Python stack
     assert "Extension modules" not in text and failure.value.signalled, text
+
+
+def test_a_crash_beside_a_ranks_own_error_is_not_run_again():
+    # the crash may follow from that error: a retry would hide it
+    with pytest.raises(RankFailure, match=r"(?s)rank 0 raised:.*rank 0's own failure.*rank 1 exited with code -11") \
+            as failure:
+        run_ranks(_rank_0_raises_while_rank_1_segfaults, 2)
+    assert not failure.value.signalled and "second try" not in str(failure.value)
