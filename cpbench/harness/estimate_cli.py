@@ -170,7 +170,7 @@ def _toml(value) -> str:
 
 def estimate_command(args) -> int:
     from cpbench.harness.project.estimate import EstimateOptions, run_estimate
-    from cpbench.harness.project.figures import record_block
+    from cpbench.harness.project.record import record_block
     from cpbench.harness.run.summary import summary_table
     from cpbench.report.runs import store
     from cpbench.report.tables import fits

@@ -12,11 +12,12 @@ from pathlib import Path
 
 import pandas as pd
 
+from cpbench.harness.project import record as record_
 from cpbench.report.runs import store
 
 HERE = Path(__file__).parent
 RECORD = HERE.parents[1] / "cpbench" / "harness" / "project" / "record.json"
-SHORT = 65536  # tokens per GPU: the short regime
+SHORT = record_.SHORT  # tokens per GPU: the short regime (the same bound `cpbench estimate` tells regimes by)
 
 
 def _row(name: str):
@@ -81,8 +82,9 @@ def record() -> str:
         if value is None or not m.get("judged", True):
             continue
         ratio = value / m["measured"] if m["unit"] == "s" else m["measured"] / value  # a rate: the step is its inverse
-        rows.append({"name": name, "tokens_per_gpu": m["tokens_per_gpu"], "gpus": int(_row(name)["world_size"]),
-                     "step_error": round(ratio - 1, 4)})
+        row = _row(name)
+        rows.append({"name": name, "tokens_per_gpu": m["tokens_per_gpu"], "gpus": int(row["world_size"]),
+                     "cp": int(row["cp_size"]), "step_error": round(ratio - 1, 4)})
     body = ",\n".join(f"  {json.dumps(r)}" for r in rows)  # a row a line: a re-projection reads as a small diff
     return f'{{"source": "results/published/table.md (python results/published/table.py)", "rows": [\n{body}\n]}}\n'
 

@@ -76,7 +76,9 @@ def test_the_quick_form_projects_one_model_without_a_suite(tmp_path, capsys):
     rc, df = _estimate(tmp_path, "--model", "tiny-llama", "--seq", "128", "--cp", "2", "--device", "cpu",
                        "--dtype", "float32", "--styles", "cp_ring_zigzag", "--override", "max_position_embeddings=4096")
     assert rc == 0 and len(df) == 1 and set(df["status"]) == {"ok"}
-    assert "no point was checked against a device's memory" in capsys.readouterr().out  # `ok` is not "fits"
+    out = capsys.readouterr().out
+    assert "no point was checked against a device's memory" in out  # `ok` is not "fits"
+    assert "published steps" not in out  # no --gpu, no time: nothing to hold to a record
     assert '"max_position_embeddings": 4096' in df["spec_json"].iloc[0]  # the config value reached the point
     cp2 = df[df["cp_size"] == 2]
     assert (cp2["comm_p2p_count"] > 0).all() and (cp2["comm_all_gather_count"] > 0).all()
@@ -89,8 +91,9 @@ def test_a_timed_point_is_told_its_regimes_record_against_published_measurements
     assert rc == 0 and df["projected_step_s"].notna().all()
     out = capsys.readouterr().out
     # 128 tokens over cp 2 on 4 GPUs: the short regime on several GPUs, whose rows table.md judges
-    assert "the step-time model's record" in out
-    assert re.search(r"<= 64k tokens per GPU on several GPUs: \d+ published measurements, projected steps", out), out
+    assert "the step-time model against published steps of these points' regimes" in out
+    assert re.search(r"<= 64k tokens per GPU on several GPUs: \d+ published measurements \(cp [^)]+\), projected steps",
+                     out), out
 
 
 @pytest.mark.parametrize("args, message", [

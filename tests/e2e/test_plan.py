@@ -45,8 +45,9 @@ def test_plan_ranks_the_configurations_that_fit_and_writes_runnable_suites(tmp_p
     expected = (ok["projected_tokens_per_s"] / ok["world_size"]).sort_values(ascending=False)
     assert speeds == pytest.approx([float(f"{v:.3g}") for v in expected], rel=1e-2)
     assert "#1 in a training loop: from_pretrained(..., distributed_config=cpbench.DistributedConfig(" in out
-    # how far the ranking's absolute times ran from published ones of their regime (figures.record_lines)
-    assert re.search(r"record .*\n  (<=|over) 64k tokens per GPU on (one GPU|several GPUs): ", out), out
+    # how far the ranking's absolute times ran from published ones of their regime (record.record_lines)
+    assert re.search(r"published steps of these points' regimes .*\n  (<=|over) 64k tokens per GPU on (one GPU|several "
+                     r"GPUs): ", out), out
     # --out: one suite per fitting configuration, each reproducing its row's point
     suites = sorted((tmp_path / "suites").glob("*.toml"))
     assert len(suites) == len(ok)

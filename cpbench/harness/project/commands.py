@@ -88,7 +88,7 @@ def _documents(text: str | None):
 
 
 def plan_command(args) -> int:
-    from cpbench.harness.project.figures import record_block
+    from cpbench.harness.project.record import record_block
     from cpbench.harness.project.plan import PlanOptions, ranked, run_plan
     from cpbench.report.runs import store
 

@@ -1,20 +1,14 @@
 """The time model's figures as docs/time.md shows them: the shipped GPU profiles (`profiles_table`) and every
 assumed figure (`assumed_table`: a profile figure whose source says "assumed", neither measured nor published) with
 what would measure it on a GPU. A test keeps docs/time.md holding both, so a changed figure changes the docs in the
-same commit. And the model's record against published measurements (`record_lines`: record.json, which
-results/published/table.py writes beside table.md), by regime, which `cpbench estimate` prints under its points.
+same commit.
 
     python -m cpbench.harness.project.figures      # prints both tables
 """
 
 from __future__ import annotations
 
-import json
-from importlib import resources
-
 from cpbench.harness.project.hardware import builtin
-
-SHORT = 65536  # tokens per GPU: the short regime's bound (results/published/table.py's)
 
 # figure (or its prefix) -> how a GPU run would measure it. `cpbench calibrate` fits the efficiencies a measured
 # sweep's traces use (GEMMs, attention kernels) and the per-op overheads; the rest need a benchmark of their own.
@@ -97,52 +91,6 @@ def profiles_table() -> str:
                      f"{hw.inter_node_bytes_per_s / 1e9:.0f} GB/s | {e['gemm']:.3f} | {pair('')} | {pair('_cudnn')} | "
                      f"{pair('_fa3')} | {pair('_fa4')} | {pair('_efficient')} |")
     return "\n".join(lines) + "\n"
-
-
-def record() -> list[dict]:
-    """Each judged published measurement's tokens per GPU, GPUs and `step_error` (the projected step over the
-    measured one, less one: below zero the projection ran fast), as results/published/table.py last wrote them."""
-    return json.loads(resources.files(__package__).joinpath("record.json").read_text())["rows"]
-
-
-def regime(tokens_per_gpu: float, gpus: int) -> tuple[bool, bool]:
-    """(at most 64k tokens per GPU, on several GPUs): the regimes the record tells apart."""
-    return tokens_per_gpu <= SHORT, gpus > 1
-
-
-def record_lines(points, rows: list[dict] | None = None) -> list[str]:
-    """What the record says of each regime among `points` ((tokens per GPU, GPUs) of the projected points): how far
-    the projected steps of the published measurements of that regime ran from the measured ones."""
-    rows = record() if rows is None else rows
-    out = []
-    for short, several in sorted({regime(t, g) for t, g in points}, reverse=True):
-        where = f"{'<=' if short else 'over'} 64k tokens per GPU on {'several GPUs' if several else 'one GPU'}"
-        errors = [r["step_error"] for r in rows if regime(r["tokens_per_gpu"], r["gpus"]) == (short, several)]
-        if not errors:
-            out.append(f"{where}: no published measurement of this regime is judged; the step time is unchecked here")
-            continue
-        mean = sum(errors) / len(errors)
-        out.append(f"{where}: {len(errors)} published measurements, projected steps {_span(min(errors), max(errors))} "
-                   f"than measured (mean {100 * abs(mean):.0f} % {'shorter' if mean < 0 else 'longer'})")
-    return out
-
-
-def record_block(df) -> str:
-    """The record's lines for a run's timed rows, under a heading, or nothing where no row is timed."""
-    timed = df[df["projected_step_s"].notna()] if "projected_step_s" in df else df.iloc[:0]
-    if not len(timed):
-        return ""
-    points = zip(timed["seq_len"] * timed["batch_size"] / timed["cp_size"], timed["world_size"])
-    return ("the step-time model's record (results/published/table.md; docs/time.md says where it errs):\n"
-            + "\n".join(f"  {line}" for line in record_lines(points)))
-
-
-def _span(lo: float, hi: float) -> str:
-    if hi < 0:
-        return f"{-100 * hi:.0f} to {-100 * lo:.0f} % shorter"
-    if lo >= 0:
-        return f"{100 * lo:.0f} to {100 * hi:.0f} % longer"
-    return f"{-100 * lo:.0f} % shorter to {100 * hi:.0f} % longer"
 
 
 if __name__ == "__main__":
