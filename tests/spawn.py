@@ -141,11 +141,11 @@ def _run_ranks(fn, world_size: int, args: tuple, kwargs: dict, timeout: float) -
             if status == "error":
                 (lost if _peer_lost(value) else raised).append(f"rank {r} raised:\n{value}")
         if raised or lost or crashed:
-            stopped = [f"ranks {hung} were stopped {PEER_GRACE_S:.0f}s after a rank failed (blocked on it)"]
-            stopped = stopped if hung else []
+            stopped = f"ranks {hung} were stopped {PEER_GRACE_S:.0f}s after a rank failed (blocked on it)"
             # run again only for a crash alone: where a rank raised an error of its own, its peers' signals may
             # follow from it; a peer that lost its connection to the crashed rank raised nothing of its own
-            raise RankFailure("\n".join(raised + lost + stopped + crashed), signalled and not raised)
+            report = raised + lost + ([stopped] if hung else []) + crashed
+            raise RankFailure("\n".join(report), signalled and not raised)
         if hung:
             raise RankFailure(f"ranks {hung} still running after {timeout:.0f}s and were killed")
         return results

@@ -25,8 +25,8 @@ def _row(name: str):
     return store.read_run(runs[0]).iloc[0] if runs else None
 
 
-def projected(name: str, unit: str):
-    row = _row(name)
+def projected(row, unit: str):
+    """A run's value in the measurement's unit and the note beside it (None and why where it has none)."""
     if row is None:
         return None, "not projected"
     if row["status"] not in ("ok", "oom") or row["projected_step_s"] != row["projected_step_s"]:
@@ -51,7 +51,7 @@ def render() -> str:
     judged = []  # (|error|, short)
     measurements = tomllib.loads((HERE / "measurements.toml").read_text())
     for name, m in measurements.items():
-        value, note = projected(name, m["unit"])
+        value, note = projected(_row(name), m["unit"])
         cell = _cell(value, m["unit"]) if value is not None else "-"
         error = f"{100 * (value / m['measured'] - 1):+.0f} %" if value is not None else "-"
         if value is not None and m.get("judged", True):
@@ -78,11 +78,11 @@ def record() -> str:
     measured, less one; below zero the projection ran short, i.e. fast), with the regime it stands for."""
     rows = []
     for name, m in tomllib.loads((HERE / "measurements.toml").read_text()).items():
-        value, _ = projected(name, m["unit"])
+        row = _row(name)
+        value, _ = projected(row, m["unit"])
         if value is None or not m.get("judged", True):
             continue
         ratio = value / m["measured"] if m["unit"] == "s" else m["measured"] / value  # a rate: the step is its inverse
-        row = _row(name)
         rows.append({"name": name, "tokens_per_gpu": m["tokens_per_gpu"], "gpus": int(row["world_size"]),
                      "cp": int(row["cp_size"]), "step_error": round(ratio - 1, 4)})
     body = ",\n".join(f"  {json.dumps(r)}" for r in rows)  # a row a line: a re-projection reads as a small diff

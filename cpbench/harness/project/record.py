@@ -54,9 +54,8 @@ def record_block(df) -> str:
 
 
 def _pct(error: float) -> str:
-    size = 100 * abs(error)
-    return f"{size:.1f} % {'shorter' if error < 0 else 'longer'}" if size < 1 else \
-        f"{size:.0f} % {'shorter' if error < 0 else 'longer'}"
+    size = 100 * abs(error)  # under 1 %, a decimal: its direction then still means something
+    return f"{size:.{1 if size < 1 else 0}f} % {'shorter' if error < 0 else 'longer'}"
 
 
 def _span(lo: float, hi: float) -> str:
