@@ -11,6 +11,17 @@ from pathlib import Path
 from cpbench.harness.commands import (BALANCE_HELP, COMPILE_HELP, CP_PLAN_HELP, DOCUMENTS_HELP, _exit_code,
                                       _suite_with_flags, add_optimizer_flags)
 
+# The suite field each flag sets: a suite built from flags has its errors said in these words (suite_errors.in_flags).
+FLAGS = {"model": "--model", "seq_lens": "--seq", "cp_sizes": "--cp", "attn_implementations": "--attn",
+         "cp_styles": "--styles", "dtype": "--dtype", "device": "--device", "batch_kind": "--batch-kind",
+         "batch_size": "--batch-size", "loss": "--loss", "activation_checkpointing": "--recompute",
+         "mixed_precision": "--mixed-precision", "recompute_every_n_layers": "--recompute-every",
+         "recompute_policy": "--recompute-policy", "norm": "--norm", "optimizer": "--optimizer",
+         "max_grad_norm": "--max-grad-norm", "offload_activations": "--offload-activations",
+         "offload_params": "--offload-params", "compile": "--compile", "balance": "--balance",
+         "tiled_mlp": "--tiled-mlp", "world_size": "--world-size", "cp_plan": "--cp-plan",
+         "documents": "--documents", "model_overrides": "--override"}
+
 
 def register(subparsers) -> None:
     est = subparsers.add_parser(
@@ -88,6 +99,7 @@ def register(subparsers) -> None:
 
 def _quick_suite(args):
     from cpbench.harness.suite.spec import load_suite
+    from cpbench.harness.suite.suite_errors import in_flags
 
     from cpbench.harness.suite.suites import resolve_suite
 
@@ -133,7 +145,10 @@ def _quick_suite(args):
         from cpbench.harness.suite import documents
 
         overrides["documents"] = documents.parse(args.documents)
-    return load_suite(f"--model {args.model}", text=text, overrides=overrides)
+    try:
+        return load_suite(f"--model {args.model}", text=text, overrides=overrides)
+    except ValueError as e:
+        raise in_flags(e, FLAGS) from None
 
 
 def _override(text: str) -> str:

@@ -112,6 +112,17 @@ def test_bad_arguments_exit_2_with_the_fix(tmp_path, capsys, args, message):
     assert rc == 2 and message in capsys.readouterr().err
 
 
+def test_a_suite_built_from_flags_is_refused_in_the_flags_words(tmp_path, capsys):
+    # the same checks as a suite file's, said as the command line a user typed: no suite field names, the fix a flag
+    rc, _ = _estimate(tmp_path, "--model", "tiny-qwen3", "--seq", "16384", "--cp", "3", "--world-size", "2",
+                      "--dtype", "float64")
+    err = capsys.readouterr().err
+    assert rc == 2 and "suite field" not in err and "model_overrides" not in err
+    assert "`--seq 16384`: exceeds the model's max_position_embeddings=8192" in err
+    assert "--override max_position_embeddings=<value>" in err
+    assert "`--dtype float64`: use one of" in err and "`--cp 3`: " in err and "does not divide --world-size 2" in err
+
+
 def test_a_suite_and_a_model_together_are_refused(tmp_path, capsys):
     (tmp_path / "s.toml").write_text(SUITE)
     rc, _ = _estimate(tmp_path, str(tmp_path / "s.toml"), "--model", "tiny-qwen3", "--seq", "128")

@@ -219,3 +219,12 @@ def test_plan_passes_its_optimizer_flags_to_the_search(monkeypatch):
     args = ["plan", "--model", "tiny-llama", "--seq", "8192", "--gpus", "2", "--gpu", "h100-sxm"]
     assert main([*args, "--optimizer", "fused", "--max-grad-norm", "0.5"]) == 2
     assert (seen["opts"].optimizer, seen["opts"].max_grad_norm) == ("fused", 0.5)
+
+
+def test_plan_refuses_a_bad_flag_in_the_flags_words(tmp_path, capsys):
+    args = ["plan", "--model", "tiny-llama", "--seq", "16384", "--gpus", "2", "--gpu", "h100-sxm", "--attn", "sdpa9",
+            "--results", str(tmp_path)]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "suite field" not in err and "--model tiny-llama: 2 errors" in err and "`--attn sdpa9`: use one of" in err
+    assert "`--seq 16384`: exceeds" in err and "--override max_position_embeddings=<value>" in err

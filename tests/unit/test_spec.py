@@ -232,3 +232,22 @@ def test_every_bad_value_of_a_list_and_the_config_checks_are_reported_beside_oth
                  "`cp_sizes` = 3: cp_ulysses shards", "`dtype` = 'fp8'"):
         assert part in message, (part, message)
     assert message.startswith("t.toml: 5 errors:"), message
+
+
+def test_a_suite_error_is_said_in_the_flags_that_built_it():
+    from cpbench.harness.suite.suite_errors import SuiteErrors, err, in_flags
+
+    flags = {"seq_lens": "--seq", "activation_checkpointing": "--recompute", "dtype": "--dtype",
+             "cp_styles": "--styles", "world_size": "--world-size", "model_overrides": "--override"}
+    errors = SuiteErrors("--model m", [
+        str(err("seq_lens", 65536, "raise it with model_overrides = {max_position_embeddings = 131072}.")),
+        str(err("activation_checkpointing", True, "drop it.")),
+        str(err("dtype", "float64", 'set dtype = "bfloat16", or drop `cp_styles`; world_size = 2 stays.')),
+        str(err("warmup_steps", -1, "use 0 or more; keep dtype_hint as it is.")),
+    ])
+    said = str(in_flags(errors, flags)).splitlines()
+    assert said == ["--model m: 4 errors:",
+                    "  - `--seq 65536`: raise it with --override max_position_embeddings=131072.",
+                    "  - `--recompute`: drop it.",
+                    "  - `--dtype float64`: set --dtype bfloat16, or drop `--styles`; --world-size 2 stays.",
+                    "  - suite field `warmup_steps` = -1: use 0 or more; keep dtype_hint as it is."]

@@ -41,6 +41,7 @@ from cpbench.harness.project.hardware import load as load_hardware
 from cpbench.harness.run.sweep import pick_run_dir, writing
 from cpbench.harness.suite.presets import get_preset
 from cpbench.harness.suite.spec import load_suite
+from cpbench.harness.suite.suite_errors import in_flags
 from cpbench.report.units import parse_bytes
 
 RUNGS = (
@@ -55,6 +56,10 @@ RUNGS = (
 )
 RUNG_NAMES = ("none", "chunked loss", "op recompute + chunked loss", "recompute + chunked loss", "+ activation offload",
               "+ tiled MLP", "+ parameter offload")
+# The suite fields plan's own flags set: a bad flag's error is said in these words (suite_errors.in_flags).
+FLAGS = {"model": "--model", "seq_lens": "--seq", "world_size": "--gpus", "attn_implementations": "--attn",
+         "cp_styles": "--styles", "documents": "--documents", "norm": "--norm", "optimizer": "--optimizer",
+         "max_grad_norm": "--max-grad-norm", "cp_plan": "--cp-plan", "model_overrides": "--override"}
 
 
 @dataclass(kw_only=True)
@@ -265,7 +270,10 @@ def run_plan(opts: PlanOptions, on_row=None) -> tuple[Path, Search]:
     if capacity <= 0:
         raise ValueError(f"--headroom {opts.headroom}: leaves nothing of the {memory} bytes per GPU; give less.")
     host = parse_bytes(opts.host_memory, field_name="--host-memory") if opts.host_memory else None
-    base = load_suite("plan", text=suite_text(opts, opts.attn[0], "cp_ulysses", 1, 1, {}))
+    try:
+        base = load_suite(f"--model {opts.model}", text=suite_text(opts, opts.attn[0], "cp_ulysses", 1, 1, {}))
+    except ValueError as e:  # said in the flags' words: the user gave flags, not this suite
+        raise in_flags(e, FLAGS) from None
     run_dir = pick_run_dir(Path(opts.out) / base.name, opts.run, resume=False)
     search = Search(opts, capacity, config)
     with writing(run_dir, opts.run, False, False, "plan"):

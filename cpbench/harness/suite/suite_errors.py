@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 
 def err(field_name: str, value, fix: str) -> ValueError:
     return ValueError(f"suite field `{field_name}` = {value!r}: {fix}")
@@ -48,3 +50,25 @@ def each(check, values, *args) -> None:
     for value in values:
         found.run(check, value, *args)
     found.raise_any()
+
+
+def in_flags(error: ValueError, flags: dict[str, str]) -> ValueError:
+    """A suite's error said in a command line's words, for a suite a command built from its flags (`flags`: suite
+    field -> flag): "suite field `seq_lens` = 65536" reads "`--seq 65536`", a field named in a fix ("`cp_styles`",
+    "world_size = 2") its flag, and "model_overrides = {k = v}" "--override k=v". A field no flag sets keeps its
+    suite name; other text is left as it is."""
+    def said(flag: str, value: str) -> str:
+        value = value[1:-1] if len(value) > 1 and value[0] == value[-1] and value[0] in "'\"" else value
+        return flag if value == "True" else f"{flag} {value}"  # a switch is the flag alone
+
+    def head(m: re.Match) -> str:
+        return f"`{said(flags[m[1]], m[2])}`" if m[1] in flags else m[0]
+
+    text = re.sub(r"suite field `(\w+)` = ('[^']*'|[^:]+?)(?=: )", head, str(error))
+    if "model_overrides" in flags:
+        text = re.sub(r"model_overrides = \{(\w+) = ([^}]*)\}",
+                      lambda m: f"{flags['model_overrides']} {m[1]}={'<value>' if m[2] == '...' else m[2]}", text)
+    named = "|".join(map(re.escape, flags))
+    text = re.sub(rf"`({named})`", lambda m: f"`{flags[m[1]]}`", text)
+    text = re.sub(rf"\b({named}) = ('[^']*'|\"[^\"]*\"|[\w.-]+)", lambda m: said(flags[m[1]], m[2]), text)
+    return ValueError(text)
