@@ -178,3 +178,66 @@ def test_a_null_mfu_carries_its_reason_in_the_row():
     assert known["mfu"] == pytest.approx(known["flops_per_step"] / 0.5 / 835e12) and known["status_detail"] is None
     assert unknown["mfu"] is None and unknown["tflops_per_s"] == known["tflops_per_s"]
     assert "mfu is null" in unknown["status_detail"] and "'NVIDIA H200 NVL-X'" in unknown["status_detail"]
+
+
+def _tiny(family: str):
+    from cpbench.cp.families.tiny import tiny_config
+
+    return tiny_config(family)
+
+
+def test_dense_work_is_read_from_the_modules_of_any_family():
+    from cpbench.harness.measure.flops import matmul_work
+
+    # GPT-NeoX: fused qkv, a two-matmul MLP of 4 x 64... as its module builds it, no num_key_value_heads in its config
+    neox = _tiny("gpt_neox")
+    h, inter, v = neox.hidden_size, neox.intermediate_size, neox.vocab_size
+    assert not hasattr(neox, "num_key_value_heads")
+    assert matmul_work(neox).per_token == neox.num_hidden_layers * (3 * h * h + h * h + 2 * h * inter) + h * v
+    # a Llama-shaped model: the config formula it always had (q, k, v, o, gate, up, down, the head)
+    llama = get_preset("tiny-llama").config({"num_hidden_layers": 1})
+    q, kv = 4 * 16, 2 * 16
+    assert matmul_work(llama).per_token == 64 * q + 2 * 64 * kv + q * 64 + 3 * 64 * 128 + 64 * 256
+
+
+def test_experts_count_at_the_share_a_token_is_routed_to():
+    from cpbench.harness.measure.flops import matmul_work
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    moe = _tiny("qwen3_moe")  # 4 experts, 2 per token
+    h, i, e, k = moe.hidden_size, moe.moe_intermediate_size, moe.num_experts, moe.num_experts_per_tok
+    with torch.device("meta"):
+        sparse = sum(name.endswith(".experts") for name, _ in AutoModelForCausalLM.from_config(moe).named_modules())
+    assert sparse >= 1
+    work = matmul_work(moe).per_token
+    every = matmul_work(moe.__class__(**{**moe.to_dict(), "num_experts_per_tok": e})).per_token
+    assert every - work == sparse * (e - k) * 3 * h * i  # the experts a token is not routed to
+
+
+def test_latent_attention_counts_its_query_key_and_value_widths():
+    from cpbench.harness.measure.flops import matmul_work
+
+    mla = _tiny("deepseek_v3")
+    qk = mla.qk_nope_head_dim + mla.qk_rope_head_dim
+    assert qk != mla.v_head_dim
+    assert matmul_work(mla).attention_width == (mla.num_attention_heads * (qk + mla.v_head_dim),) * 2
+
+
+def test_stacked_weights_no_router_explains_are_not_counted():
+    import torch
+
+    from cpbench.harness.measure.flops import _routed
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.experts = torch.nn.Module()
+            self.experts.w = torch.nn.Parameter(torch.zeros(4, 8, 8))
+
+    block = Block()
+    with pytest.raises(ValueError, match="how many experts a token runs"):
+        _routed(block, block.experts, get_preset("tiny-llama").config())
+    block.top_k = 3
+    assert _routed(block, block.experts, get_preset("tiny-llama").config()) == 3

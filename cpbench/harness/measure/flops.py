@@ -11,6 +11,12 @@ are unit-testable and the same for every backend and CP style:
   rule, which it applies only when no 2-D `attention_mask` is given), causal, within each layer's sliding window
   (a query sees at most `window` keys, itself included), padded tokens excluded as queries and as keys.
 Without a batch (the config-only call) every row is one unpadded document of `seq_len` tokens.
+The dense work per token is read from the model's own modules, built once per config on the meta device (no memory,
+no weights), so that every family counts what it computes (`MatmulWork`): each nn.Linear (and GPT-2's Conv1D) once,
+the LM head included; a mixture of experts' stacked weights ([experts, ...]) at the share of the experts a token is
+routed to (its router's `top_k` over their number), the router and shared experts whole. Attention's width per kept
+pair is each layer's query heads times its query-key head dim (QK^T) plus times its value head dim (PV): multi-head
+latent attention's differ, and a heterogeneous config gives them per layer.
 CP's extra work (padding to a multiple of the chunks, recomputation, a ring's fully masked tiles) is overhead, not
 model FLOPs. Norms, rotary embeddings and softmax are ignored (< 1% at these sizes).
 """
@@ -143,12 +149,7 @@ def forward_flops(config, seq_len: int, batch_size: int = 1, *, position_ids=Non
     """FLOPs of one forward pass over `batch_size` rows of `seq_len` tokens. Pass the batch's `position_ids` and
     2-D `attention_mask` (either may be None) to count packed documents and padding exactly; without them every
     row is one unpadded causal sequence."""
-    h = config.hidden_size
-    head_dim = getattr(config, "head_dim", None) or h // config.num_attention_heads
-    q_dim = config.num_attention_heads * head_dim
-    kv_dim = config.num_key_value_heads * head_dim
-    projections = h * q_dim + 2 * h * kv_dim + q_dim * h  # q, k, v, o
-    mlp = 3 * h * config.intermediate_size  # gate, up, down
+    work = matmul_work(config)
     windows = window_per_layer(config)
     if position_ids is None and attention_mask is None:
         tokens = batch_size * seq_len
@@ -157,11 +158,79 @@ def forward_flops(config, seq_len: int, batch_size: int = 1, *, position_ids=Non
         count = BatchMaskCount(seq_len, batch_size, position_ids, attention_mask)
         tokens = count.tokens
         pairs = [count.pairs(w) for w in windows]
-    dense = 2 * tokens * config.num_hidden_layers * (projections + mlp)
-    lm_head = 2 * tokens * h * config.vocab_size
-    # QK^T and PV: 2 matmuls x 2 FLOPs per multiply-add, per kept pair, per query head
-    attention = sum(4 * p * q_dim for p in pairs)
-    return dense + lm_head + attention
+    # QK^T and PV: 2 FLOPs per multiply-add, per kept pair, per query head's width
+    attention = sum(2 * p * width for p, width in zip(pairs, work.attention_width, strict=True))
+    return 2 * tokens * work.per_token + attention
+
+
+@dataclass(frozen=True)
+class MatmulWork:
+    """A model's matmuls, from its modules: `per_token`, the multiply-adds one token's dense work takes (every
+    weight it is multiplied by, experts at their routed share, the LM head in); `attention_width`, per layer, the
+    multiply-adds of QK^T and PV per kept query-key pair (query heads x (query-key + value head dim))."""
+
+    per_token: int
+    attention_width: tuple[int, ...]
+
+
+_WORK: dict[str, MatmulWork] = {}
+TOP_K = ("top_k", "num_experts_per_tok", "moe_topk", "moe_k")  # where routers and configs keep experts per token
+
+
+def matmul_work(config) -> MatmulWork:
+    """The config's `MatmulWork`, its model built once on the meta device (cached by the config's JSON)."""
+    key = config.to_json_string()
+    if key not in _WORK:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        _WORK[key] = MatmulWork(_per_token(model, config), tuple(_attention_widths(config)))
+    return _WORK[key]
+
+
+def _per_token(model, config) -> int:
+    import torch
+    from transformers.pytorch_utils import Conv1D
+
+    total = 0
+    for module in model.modules():
+        if isinstance(module, (torch.nn.Linear, Conv1D)):
+            total += module.weight.numel()
+        for param in module.parameters(recurse=False):
+            if param.dim() == 3 and param.shape[0] > 1:  # stacked experts: [experts, out, in]
+                total += param.numel() * _routed(model, module, config) // param.shape[0]
+    return total
+
+
+def _routed(model, experts, config) -> int:
+    """How many of `experts`' stacked experts a token runs: its MoE block's router's `top_k` (the block holds both),
+    else the config's; a model that says neither is refused rather than counted at every expert."""
+    for block in model.modules():
+        if any(child is experts for child in block.children()):
+            for part in (block, *block.children()):
+                for name in TOP_K:
+                    if isinstance(getattr(part, name, None), int):
+                        return getattr(part, name)
+    for name in TOP_K:
+        if isinstance(getattr(config, name, None), int):
+            return getattr(config, name)
+    raise ValueError(f"{type(experts).__name__}: no router `top_k` nor config {list(TOP_K)} says how many experts a "
+                     "token runs, so its model FLOPs are not counted")
+
+
+def _attention_widths(config) -> list[int]:
+    layers = config.per_layer_config if getattr(config, "is_heterogeneous", False) else \
+        [config] * config.num_hidden_layers
+    widths = []
+    for c in layers:
+        heads = c.num_attention_heads
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+        nope, rope = getattr(c, "qk_nope_head_dim", None), getattr(c, "qk_rope_head_dim", None)
+        qk = nope + rope if nope and rope else head_dim  # multi-head latent attention: its own query-key width
+        widths.append(heads * (qk + (getattr(c, "v_head_dim", None) or qk)))
+    return widths
 
 
 def train_step_flops(config, seq_len: int, batch_size: int = 1, *, position_ids=None, attention_mask=None) -> int:

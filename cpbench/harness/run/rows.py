@@ -47,15 +47,20 @@ def base_row(point: Point, *, run_id: str, env: dict, budget: int | None, measur
     return row
 
 
-def model_flops(point: Point, config, batch: dict | None = None) -> float:
+def model_flops(point: Point, config, batch: dict | None = None) -> float | None:
     """Model FLOPs of the point's training step over the whole world, counted on the point's own batch (its packed
-    documents and padding: flops.py), once per data-parallel replica (a cp group shares one batch)."""
+    documents and padding: flops.py), once per data-parallel replica (a cp group shares one batch); None where the
+    count cannot tell a model's work (flops.matmul_work: experts with no `top_k`), so that TFLOP/s and MFU are null
+    rather than wrong."""
     if batch is None:
         from cpbench.harness.measure.step import make_batch
 
         batch = make_batch(point, config.vocab_size, "cpu")
-    per_batch = train_step_flops(config, point.seq_len, point.batch_size, position_ids=batch["position_ids"],
-                                 attention_mask=batch.get("attention_mask"))
+    try:
+        per_batch = train_step_flops(config, point.seq_len, point.batch_size, position_ids=batch["position_ids"],
+                                     attention_mask=batch.get("attention_mask"))
+    except ValueError:
+        return None
     return float(per_batch * _dp(point))
 
 
@@ -154,7 +159,7 @@ def projected_time_columns(records: list[dict], flops: float, point: Point) -> d
     return {"gpu_profile": slowest["gpu"], "projected_step_s": step_s, **per_rank, **kernels, **pricing,
             **{f"projected_{k}": slowest.get(k) for k in parts},
             "projected_tokens_per_s": point.seq_len * point.batch_size * _dp(point) / step_s,
-            "projected_mfu": flops / point.world_size / step_s / slowest["peak_flops"]}
+            "projected_mfu": None if flops is None else flops / point.world_size / step_s / slowest["peak_flops"]}
 
 
 def over_capacity(row: dict, budget: int | None, host_budget: int | None) -> str | None:
@@ -238,7 +243,7 @@ def _time_columns(records: list[dict], flops: float, point: Point, env: dict) ->
     out = {"step_times_s": per_step, "step_time_median_s": median, "step_time_p10_s": percentile(per_step, 10),
            "step_time_p90_s": percentile(per_step, 90), "tokens_per_s": tokens / median,
            "step_time_per_rank_s": ranks, "slowest_rank": records[ranks.index(max(ranks))]["rank"]}
-    if point.device == "cuda":
+    if point.device == "cuda" and flops is not None:
         per_device = flops / point.world_size / median
         out["tflops_per_s"] = per_device / 1e12
         peak = peak_flops(env.get("device_name"), point.dtype)
