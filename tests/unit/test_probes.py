@@ -251,3 +251,19 @@ def test_nvml_still_finds_a_whole_gpu_and_names_an_unknown_uuid(monkeypatch):
     lost = _sampler_on(monkeypatch, _FakeNvml(), "9999")
     assert lost.peak is None and "NVML unavailable" in lost.error and "'9999'" in lost.error
     assert "MIG instances" in lost.error
+
+
+def test_a_cpu_probe_runs_a_model_with_a_frozen_parameter():
+    """MemTracker hooks every parameter's gradient, and torch refuses a hook on one that needs none (afmoe's and
+    ernie4_5_moe's router bias): the step runs, and the frozen parameter is counted as a parameter."""
+    import torch
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    model[1].bias.requires_grad_(False)
+    probe = probes.CpuMemoryProbe(model, torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1),
+                                  budget=None)
+    for _ in range(2):
+        with probe.segment(repeat="step"):
+            model(torch.ones(4, 8)).sum().backward()
+    result = probe.result()
+    assert result["params_bytes"] >= 4 * sum(p.numel() for p in model.parameters()) and result["grads_bytes"] > 0

@@ -40,6 +40,17 @@ from cpbench.harness.measure.nvml import NvmlSampler, nvml_handle  # noqa: F401 
 BREAKDOWN = ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "temporaries_bytes")
 
 
+class _NoHook:
+    """The handle of a hook never installed: removing it does nothing."""
+
+    @staticmethod
+    def remove() -> None:
+        return None
+
+
+_NO_HOOK = _NoHook()
+
+
 def _mem_tracker_class():
     from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -65,6 +76,15 @@ def _mem_tracker_class():
                     self._peak_mem_snap[dev] = dict(snap)
                     if dev != HOST:
                         self.peak_at = self.ops
+
+        def _track_module_params_and_buffers(self, module, install_grad_hooks: bool = True):
+            # MemTracker hooks every parameter's gradient, and torch refuses a hook on a frozen one (a router's
+            # bias kept out of training: afmoe, ernie4_5_moe, laguna): a frozen parameter is marked hooked already
+            # (it never has a gradient to count), so the step runs as it would untracked
+            for param in module.parameters():
+                if not param.requires_grad and self._param_to_grad_hook_handles.get(param) is None:
+                    self._param_to_grad_hook_handles[param] = (_NO_HOOK, _NO_HOOK)
+            return super()._track_module_params_and_buffers(module, install_grad_hooks)
 
         def to_host(self, tensor: torch.Tensor, storages=None) -> None:
             from torch.distributed._tools.mem_tracker import _UpdateType
