@@ -19,7 +19,8 @@ Tested against transformers 5.23 (pinned in pyproject.toml). What cpbench relies
    transformers shards the embedding with the final norm and leaves the output projection to the root group:
    a model tied before sharding then fails FSDP2's duplicate-parameter check, and one tied after (as
    `from_pretrained` does) gathers the same matrix twice per step. cpbench shards [norm, embedding, head] as
-   one group around one shared parameter first and hands transformers the plan without them.
+   one group around one shared parameter first and hands transformers the plan without them. A module built in
+   another dtype than the model's by hand gets an entry of its own in that plan (`plan_other_dtypes`).
 4. Decoder layers are called as `layer(hidden_states, attention_mask=..., position_ids=...,
    position_embeddings=(cos, sin), **kwargs)` and pass `**kwargs` on to the attention interface; the split
    hook uses those names and passes the `SequenceLayout` along as `cp_layout`.
@@ -51,6 +52,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 from transformers import modeling_utils
 from transformers.distributed import fsdp as hf_fsdp
 from transformers.distributed.mixin import DistributedMixin
+from transformers.distributed.parallel_utils import replace_layer_number_by_wildcard
 from transformers.distributed.utils import _bind_local_device, _ensure_torch_distributed
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -87,7 +89,9 @@ def model_attention_implementation(module: torch.nn.Module) -> str:
 def inner_attention(module: torch.nn.Module) -> Callable:
     """The model's own attention function for `module` (what it would call without CP)."""
     impl = model_attention_implementation(module)
-    eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    # the family's modeling module, past a wrapper class (FSDP2 makes `FSDP<Name>` where it shards the module itself)
+    found = (getattr(sys.modules.get(c.__module__), "eager_attention_forward", None) for c in type(module).__mro__)
+    eager = next((f for f in found if f is not None), None)
     if impl == "eager" and eager is None:
         raise ValueError(
             f"{type(module).__name__}: cannot find the model's `eager_attention_forward` for CP; "
@@ -181,13 +185,36 @@ def tie_embedded_tail(model: torch.nn.Module, distributed_config, mesh_manager) 
         )
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
     head.weight = embed.weight  # one parameter for FSDP to manage; `from_pretrained` re-ties to the same one
-    replicate = distributed_config.dp_replicate_size > 1
-    mesh = mesh_manager.get_mesh(("dp_replicate", "fsdp") if replicate else "fsdp")
-    fully_shard(list(tail.values()), mesh=mesh, reshard_after_forward=False,
+    fully_shard(list(tail.values()), mesh=_fsdp_mesh(distributed_config, mesh_manager), reshard_after_forward=False,
                 **fsdp_policy_kwargs(distributed_config))
     full_plan = dict(model.fsdp_plan)
     model.fsdp_plan = {k: v for k, v in full_plan.items() if k not in tail}
     return full_plan
+
+
+def _fsdp_mesh(distributed_config, mesh_manager):
+    replicate = distributed_config.dp_replicate_size > 1
+    return mesh_manager.get_mesh(("dp_replicate", "fsdp") if replicate else "fsdp")
+
+
+def plan_other_dtypes(model: torch.nn.Module) -> None:
+    """FSDP2 keeps a group's trainable parameters in one dtype (`_init_mp_dtypes`: "FSDP expects uniform original
+    parameter dtype"). transformers gives the modules a family keeps in fp32 by name (`_keep_in_fp32_modules_strict`)
+    groups of their own; a family that builds one in another dtype by hand (HunYuan-MoE's router gate, an fp32
+    Linear in a bf16 model) fails in its layer's group. Each module whose own trainable parameters keep another
+    dtype than most of the model's is added to the model's `fsdp_plan`, so transformers shards it first, apart."""
+    sizes: dict[torch.dtype, int] = {}
+    for p in model.parameters():
+        if p.requires_grad:
+            sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel()
+    if len(sizes) < 2:
+        return
+    common = max(sizes, key=sizes.get)
+    other = [name for name, m in model.named_modules()
+             if name and any(p.requires_grad and p.dtype != common for p in m.parameters(recurse=False))]
+    # the plan's names have `*` for layer numbers (transformers' replace_layer_number_by_wildcard)
+    model.fsdp_plan = {**dict.fromkeys(map(replace_layer_number_by_wildcard, other), "free_full_weight"),
+                       **model.fsdp_plan}
 
 
 def save_on_cpu_where_pinnable(pin_memory: bool = False, device_type: str = "cuda"):
@@ -238,6 +265,7 @@ def install(apply) -> None:
         return apply.apply_context_parallel(model, mesh_manager, distributed_config, plan)
 
     def _sharded(cls, model, distributed_config, mesh_manager):
+        plan_other_dtypes(model)
         full_fsdp_plan = tie_embedded_tail(model, distributed_config, mesh_manager)
         model = _ORIGINAL["maybe"](cls, model, distributed_config, mesh_manager)
         if full_fsdp_plan is not None:
