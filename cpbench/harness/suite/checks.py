@@ -54,6 +54,7 @@ def validate(suite, *, allow_faults: bool = False, source: str = "suite") -> Non
     if config is not None:
         found.run(grid_checks.check_lengths_fit, suite, config)
         found.run(grid_checks.check_heads, suite, config)
+        found.run(grid_checks.check_backends_supported, suite, config)
         found.run(levers.check_norm, suite, config)
     found.raise_any(source)
 

@@ -51,6 +51,33 @@ def _backend(b: str, suite) -> None:
                   f"{suite.dtype!r}); set dtype = \"bfloat16\" or \"float16\", or use sdpa.")
 
 
+# transformers' own flags of what a model class supports (PreTrainedModel._supports_*), by backend; eager needs none
+SUPPORT_FLAGS = {"sdpa": "_supports_sdpa", "flex_attention": "_supports_flex_attn",
+                 "flash_attention_2": "_supports_flash_attn", "flash_attention_3": "_supports_flash_attn",
+                 "flash_attention_4": "_supports_flash_attn"}
+
+
+def check_backends_supported(suite, config) -> None:
+    """Each backend against what the model's class says it supports: transformers refuses the rest when the model
+    is built, in every point's process; here the suite is refused first, naming the backends it does support."""
+    from transformers import AutoModelForCausalLM
+
+    if suite.level != "model":
+        return
+    try:
+        cls = AutoModelForCausalLM._model_mapping[type(config)]
+    except KeyError:  # not an auto class's config: the build says what is wrong
+        return
+    usable = ["eager"] + [b for b, flag in SUPPORT_FLAGS.items() if getattr(cls, flag, False)]
+    each(_supported, suite.attn_implementations, cls.__name__, usable)
+
+
+def _supported(b: str, model: str, usable: list) -> None:
+    if b in SUPPORT_FLAGS and b not in usable:
+        raise err("attn_implementations", b, f"{model} does not support it (transformers' {SUPPORT_FLAGS[b]}); use "
+                  f"one of {usable}.")
+
+
 def _registered() -> dict:
     """The attention styles this install has registered: name -> style."""
     from cpbench.cp import STYLES, AttentionStyle
