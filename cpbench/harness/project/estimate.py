@@ -175,7 +175,7 @@ def run_chains(estimator: Estimator, chains: list, jobs: int) -> None:
                 chain, point, _ = running.pop(future)
                 error = future.exception()
                 results = done.setdefault(point.point_key, [])
-                results.append(f"{type(error).__name__}: {error}" if error else future.result())
+                results.append(_said(error) if error else future.result())
                 if len(results) < len(projected_ranks(point)):
                     continue
                 errors = [r for r in results if isinstance(r, str)]
@@ -184,6 +184,22 @@ def run_chains(estimator: Estimator, chains: list, jobs: int) -> None:
                 _advance(estimator, pool, chain, row, running, started)
     finally:
         pool.shutdown(cancel_futures=True)
+
+
+# fake tensors hold no values: an op whose result depends on them cannot run in a projection
+VALUE_READS = {"DataDependentOutputException": "a tensor's value read on the host (`.item()`, a data-dependent branch)",
+               "DynamicOutputShapeException": "an op whose output size depends on the values (nonzero, a mask index)"}
+
+
+def _said(error: BaseException) -> str:
+    """A projection's error as its row says it; one the fake tensors cannot run says so, and what to do."""
+    text = f"{type(error).__name__}: {error}"
+    why = VALUE_READS.get(type(error).__name__)
+    if why is None:
+        return text
+    return (f"{text}: the projection runs the step on fake tensors, which hold no values, and this step needs one "
+            f"({why}: an MoE router's dispatch, a weight init, a mask read on the host); measure the point instead "
+            f"(`cpbench sweep`, on CPU at a smaller size or on the GPU)")
 
 
 def _advance(estimator: Estimator, pool, chain, row, running: dict, started: dict) -> None:
