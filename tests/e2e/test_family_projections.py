@@ -1,0 +1,81 @@
+"""`cpbench estimate` on the families the audit gives a plan (cpbench/cp/families/), each from its own tiny config
+saved as a user's config.json: what a new user's first command does with their model. A family's point projects, or
+says why it cannot and what to do; none ends the command with a traceback. The fast cases are the ways a family broke
+it before: model FLOPs counted from a Llama's config fields, a frozen parameter under the memory tracker, a module
+built in another dtype under FSDP2, the eager attention of a module FSDP2 wraps itself, a backend the family does not
+support, a step that reads a tensor's value.
+Every family (the heavy matrix) is the same check over all of them."""
+
+from __future__ import annotations
+
+import pytest
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from cpbench.cli import main
+from cpbench.cp.families import table
+from cpbench.cp.families.tiny import causal_lm_class, tiny_config
+from cpbench.report.runs import store
+
+VALUE_READ = "fake tensors, which hold no values"  # the row of a point whose forward reads a tensor's value
+
+
+def _project(tmp_path, family: str, *extra) -> tuple[int, object, str]:
+    config = tiny_config(family)
+    config.save_pretrained(tmp_path / family)
+    # the backend a user of the family would pick: sdpa where the family supports it (transformers' default)
+    attn = "sdpa" if getattr(causal_lm_class(family), "_supports_sdpa", False) else "eager"
+    rc = main(["estimate", "--model", str(tmp_path / family), "--seq", "64", "--cp", "2", "--world-size", "2",
+               "--gpu", "h100-sxm", "--styles", "cp_ulysses,cp_ring_zigzag", "--attn", attn, "--jobs", "1",
+               "--out", str(tmp_path / "results"), *extra])
+    runs = sorted((tmp_path / "results").glob(f"estimate-{family}/*/runs.parquet"))
+    return rc, (store.read_run(runs[-1]) if runs else None), attn
+
+
+@pytest.mark.parametrize("family, why", [
+    ("gpt_neox", "no num_key_value_heads: the model FLOPs read the modules"),
+    ("afmoe", "a frozen router bias under the CPU memory tracker"),
+    ("hunyuan_v1_moe", "its router gate built in fp32 inside a bf16 layer"),
+    ("flint", "eager (no sdpa), its attention an FSDP2 group of its own (fp32 sinks): found past FSDP's class"),
+])
+def test_a_family_that_broke_the_projection_projects(tmp_path, capsys, family, why):
+    rc, df, _ = _project(tmp_path, family)
+    assert rc == 0 and set(df["status"]) == {"ok"} and len(df) == 2, (why, capsys.readouterr().err)
+    assert (df["projected_mfu"] > 0).all() and (df["flops_per_step"] > 0).all()
+
+
+def test_a_forward_that_reads_a_value_says_to_measure_instead(tmp_path):
+    rc, df, _ = _project(tmp_path, "jetmoe")  # its experts' dispatch counts tokens per expert on the host
+    assert rc == 1 and set(df["status"]) == {"error"}
+    assert all(VALUE_READ in d and "cpbench sweep" in d for d in df["status_detail"])
+
+
+def test_a_backend_the_family_does_not_support_is_refused_before_projecting(tmp_path, capsys):
+    tiny_config("gemma2").save_pretrained(tmp_path / "gemma2")
+    rc = main(["estimate", "--model", str(tmp_path / "gemma2"), "--seq", "64", "--cp", "2", "--world-size", "2",
+               "--out", str(tmp_path / "results")])
+    err = capsys.readouterr().err
+    assert rc == 2 and not (tmp_path / "results").exists()
+    assert "`--attn sdpa`: Gemma2ForCausalLM does not support it" in err and "'eager'" in err
+
+
+def _text_families() -> list[str]:
+    """The families with a plan whose own config is a decoder's (a multimodal wrapper is refused by design: its
+    text model's config is what a user gives)."""
+    keep = []
+    for name, family in sorted(table.families().items()):
+        config = tiny_config(name) if family.verdict in ("default", "own") else None
+        if config is not None and config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not any(
+                hasattr(config, k) for k in ("text_config", "vision_config", "audio_config")):
+            keep.append(name)
+    return keep
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("family", _text_families())
+def test_every_family_with_a_plan_projects_or_says_why(tmp_path, capsys, family):
+    rc, df, attn = _project(tmp_path, family)
+    assert df is not None and len(df) == 2, capsys.readouterr().err
+    failed = df[df["status"] != "ok"]
+    assert set(failed["status"]) <= {"error"} and all(VALUE_READ in d for d in failed["status_detail"]), (
+        f"{family} ({attn}): {list(failed['status_detail'])}")
+    assert rc == (1 if len(failed) else 0)
