@@ -2,8 +2,8 @@
 saved as a user's config.json: what a new user's first command does with their model. A family's point projects, or
 says why it cannot and what to do; none ends the command with a traceback. The fast cases are the ways a family broke
 it before: model FLOPs counted from a Llama's config fields, a frozen parameter under the memory tracker, a module
-built in another dtype under FSDP2, the eager attention of a module FSDP2 wraps itself, a backend the family does not
-support, a step that reads a tensor's value.
+built in another dtype under FSDP2, the eager attention of a module FSDP2 wraps itself, an init that reads values, a
+backend the family does not support, a step that reads a tensor's value.
 Every family (the heavy matrix) is the same check over all of them."""
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ def _project(tmp_path, family: str, *extra) -> tuple[int, object, str]:
     ("afmoe", "a frozen router bias under the CPU memory tracker"),
     ("hunyuan_v1_moe", "its router gate built in fp32 inside a bf16 layer"),
     ("flint", "eager (no sdpa), its attention an FSDP2 group of its own (fp32 sinks): found past FSDP's class"),
+    ("modernbert-decoder", "torch's trunc_normal_ init resamples reading values: value-free in a projection"),
 ])
 def test_a_family_that_broke_the_projection_projects(tmp_path, capsys, family, why):
     rc, df, _ = _project(tmp_path, family)

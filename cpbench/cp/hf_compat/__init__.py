@@ -31,7 +31,8 @@ Tested against transformers 5.23 (pinned in pyproject.toml). What cpbench relies
 6. `transformers.modeling_utils.save_on_cpu`, which `activation_checkpointing_enable(offload=True)` calls as
    `save_on_cpu(pin_memory=True, ...)`: pinning fails where no accelerator exists. `install` wraps it the same way
    (`save_on_cpu_where_pinnable`), so activation offload runs on CPU too (where it copies to host what already is).
-7. transformers' mask code: masks.py (`masks_isolate_documents`, `builds_no_mask`, `known_values_are_not_tracing`).
+7. transformers' mask code: masks.py (`masks_isolate_documents`, `builds_no_mask`, `known_values_are_not_tracing`);
+   its init table `initialization.TORCH_INIT_FUNCTIONS` (`value_free_init`, for a projection's fake weights).
 8. Activation checkpointing: `GradientCheckpointingLayer` checkpoints its forward when its `gradient_checkpointing`
    is on and it is training; `activation_checkpointing_enable(every_n_layers=n)` turns that on for every n-th such
    layer (and sets the flag on other modules, e.g. the base model, that checkpoint nothing):
@@ -43,6 +44,7 @@ rest of cpbench.cp is handed in (`install(apply)`), so that anything in cpbench.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from collections.abc import Callable
@@ -71,7 +73,7 @@ from cpbench.cp.hf_compat.views import (
 __all__ = [
     "CP_ATTENTION_KEY", "HIDDEN_STATES", "KERNEL_DEVICE_KWARG", "LAYOUT_KWARG", "POSITION_EMBEDDINGS",
     "POSITION_IDS", "AttentionConfigView", "ModuleView", "bind_attention", "builds_no_mask", "init_distributed",
-    "inner_attention", "install", "known_values_are_not_tracing", "masks_isolate_documents", "model_config",
+    "inner_attention", "install", "known_values_are_not_tracing", "value_free_init", "masks_isolate_documents", "model_config",
     "model_attention_implementation", "recomputed_layers", "run_style", "tie_embedded_tail",
 ]
 
@@ -215,6 +217,27 @@ def plan_other_dtypes(model: torch.nn.Module) -> None:
     # the plan's names have `*` for layer numbers (transformers' replace_layer_number_by_wildcard)
     model.fsdp_plan = {**dict.fromkeys(map(replace_layer_number_by_wildcard, other), "free_full_weight"),
                        **model.fsdp_plan}
+
+
+@contextlib.contextmanager
+def value_free_init():
+    """While entered, a truncated-normal init draws a clamped normal: torch's (`torch.nn.init.trunc_normal_`, which
+    transformers' `initialization.trunc_normal_` calls through its TORCH_INIT_FUNCTIONS table) resamples until every
+    value is in range, reading the tensor on the host, which fake tensors cannot (modernbert-decoder's init). For a
+    projection, whose weights hold no values: same shapes, dtypes and storages."""
+    from transformers import initialization
+
+    def trunc_normal_(tensor, mean=0.0, std=1.0, a=-2.0, b=2.0, generator=None):
+        with torch.no_grad():
+            return tensor.normal_(mean, std, generator=generator).clamp_(a, b)
+
+    table, original = initialization.TORCH_INIT_FUNCTIONS, initialization.TORCH_INIT_FUNCTIONS["trunc_normal_"]
+    torch_original = torch.nn.init.trunc_normal_
+    table["trunc_normal_"], torch.nn.init.trunc_normal_ = trunc_normal_, trunc_normal_
+    try:
+        yield
+    finally:
+        table["trunc_normal_"], torch.nn.init.trunc_normal_ = original, torch_original
 
 
 def save_on_cpu_where_pinnable(pin_memory: bool = False, device_type: str = "cuda"):

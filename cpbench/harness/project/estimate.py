@@ -198,7 +198,7 @@ def _said(error: BaseException) -> str:
     if why is None:
         return text
     return (f"{text}: the projection runs the step on fake tensors, which hold no values, and this step needs one "
-            f"({why}: an MoE router's dispatch, a weight init, a mask read on the host); measure the point instead "
+            f"({why}: an MoE router's dispatch, a mask read on the host); measure the point instead "
             f"(`cpbench sweep`, on CPU at a smaller size or on the GPU)")
 
 

@@ -63,7 +63,7 @@ def fake_tensors():
     limit = fake.CONSTANT_NUMEL_LIMIT
     fake.CONSTANT_NUMEL_LIMIT = KNOWN_VALUES_MAX_NUMEL
     try:
-        with fake.FakeTensorMode() as mode, hf_compat.known_values_are_not_tracing():
+        with fake.FakeTensorMode() as mode, hf_compat.known_values_are_not_tracing(), hf_compat.value_free_init():
             yield mode
     finally:
         fake.CONSTANT_NUMEL_LIMIT = limit
