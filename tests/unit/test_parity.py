@@ -138,3 +138,24 @@ def test_the_parity_capture_does_not_change_the_memory_measured(tmp_path):
     off = {k: measured["off"][k] for k in keys}
     assert {k: measured["full"][k] for k in keys} == off
     assert {k: measured["projected"][k] for k in keys} == off
+
+
+def test_a_gradient_at_the_rounding_noise_is_judged_against_the_floor():
+    """A key bias without rotary embeddings has a zero gradient: both sides hold rounding noise (biogpt: 2.5e-11
+    beside gradients of order 1), which differs by 100 % and is no error. A small gradient above the floor is still
+    held to its relative error, and a missing one still fails."""
+    noise = _grads(**{"k.bias": torch.full((10,), 1e-12)})
+    other_noise = _grads(**{"k.bias": torch.full((10,), -1e-12)})
+    assert parity.compare(_summary(other_noise), _summary(noise), "float32", 2)["parity_status"] == "pass"
+    small = _grads(**{"q.bias": torch.full((10,), 1e-4)})
+    off = _grads(**{"q.bias": torch.full((10,), 1.03e-4)})
+    got = parity.compare(_summary(off), _summary(small), "float32", 2)
+    assert got["parity_status"] == "fail" and got["grad_worst_param"] == "q.bias"
+    missing = {k: v for k, v in other_noise.items() if k != "k.bias"}
+    assert parity.compare(_summary(missing), _summary(noise), "float32", 2)["parity_status"] == "fail"
+
+    def proj(grads):
+        return {n: parity.summarize_grad(n, g, "projected", 0) for n, g in grads.items()}
+
+    assert parity.compare(_summary(proj(other_noise)), _summary(proj(noise)), "float32", 2)["parity_status"] == "pass"
+    assert parity.compare(_summary(proj(off)), _summary(proj(small)), "float32", 2)["parity_status"] == "fail"
