@@ -16,6 +16,7 @@ import torch.distributed as dist
 from cpbench.cp import hf_compat
 from cpbench.cp.config import DistributedConfig
 from cpbench.cp.families.mixers import AttentionCalls, check_layers
+from cpbench.cp.families.window import tells_window
 from cpbench.cp.forward import ForwardState, refuse_generate, wrap_forward
 from cpbench.cp.layout import SequenceLayout
 from cpbench.cp.loss.chunked import check_loss
@@ -118,10 +119,12 @@ def apply_context_parallel(
         groups = mesh.usp_groups if style.fn is usp_attention else group
         hf_compat.bind_attention(model.get_submodule(name),
                                  AttentionBinding(style, groups, _kernel_target(config), state))
-    # No layer would read the model's mask (S x S bytes at long lengths). A family with a sliding window keeps it: some
-    # (phimoe) window their mask without telling their attention, and the ring then reads the window from the mask.
-    if styles and not any(style.model_mask for style in styles.values()) and \
-            not getattr(model.config, "sliding_window", None):
+    # No layer would read the model's mask (S x S bytes at long lengths). A family with a sliding window keeps it only
+    # where an attention module is not told its window (phimoe windows its mask alone): the ring then reads the window
+    # from the mask (cp/families/window.py).
+    untold = getattr(model.config, "sliding_window", None) and \
+        not all(tells_window(model.get_submodule(name)) for name in plan.attention_modules)
+    if styles and not any(style.model_mask for style in styles.values()) and not untold:
         hf_compat.builds_no_mask(model.get_submodule(stack))
     model.cp_attention_calls = AttentionCalls(model, plan.split_modules, plan.attention_modules, type(model).__name__)
     model.cp_plan = model_cp_plan(model, config)

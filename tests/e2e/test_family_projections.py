@@ -109,3 +109,14 @@ def test_a_family_sweeps_on_cpu_with_parity(tmp_path, family):
     df = store.read_run(sorted((tmp_path / "results").glob("fam/*/runs.parquet"))[-1])
     assert list(df["status"]) == ["ok", "ok"] and list(df["parity_status"]) == ["pass", "pass"], (
         MEASURED[family], list(df["parity_detail"]))
+
+
+def test_the_ring_builds_no_model_mask_where_attention_is_told_its_window(tmp_path):
+    """Mistral passes its window to attention: under the ring the model's S x S mask is not built (it was kept for every
+    sliding-window family: 42 GiB a rank for mistral-7b at 128k on 8 ranks). tiny-mistral is tiny-llama with a window."""
+    peaks = {}
+    for model in ("tiny-mistral", "tiny-llama"):
+        assert main(["estimate", "--model", model, "--seq", "2048", "--cp", "2", "--world-size", "2", "--styles",
+                     "cp_ring_zigzag", "--jobs", "1", "--out", str(tmp_path / model)]) == 0
+        peaks[model] = store.read_run(sorted((tmp_path / model).glob("*/*/runs.parquet"))[-1])["peak_bytes"].iloc[0]
+    assert abs(peaks["tiny-mistral"] - peaks["tiny-llama"]) < 2048 * 2048 / 16  # the mask alone was 2048^2 bytes

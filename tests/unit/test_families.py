@@ -105,3 +105,14 @@ def test_the_automated_audit_agrees_on_every_family():
     assert [f.family for f in findings if not f.agrees] == []
     seen = [f.family for f in findings if f.verdict == "refused" and substantive(f)]
     assert len(seen) >= 75  # 78 in transformers 5.23; the rest are refused on the hand audit's reading alone (docs/families.md)
+
+
+def test_a_family_that_tells_its_attention_the_window_is_told_apart_from_one_that_does_not():
+    from cpbench.cp.families.window import tells_window
+
+    def attention(family):
+        return next(m for n, m in _meta_model(family).named_modules() if n.endswith("layers.0.self_attn"))
+
+    assert tells_window(attention("mistral")) and tells_window(attention("gemma3_text"))
+    assert not tells_window(attention("phimoe"))  # its window is in the model's mask only
+    assert not tells_window(torch.nn.Linear(2, 2))  # no window passed on: the model's mask is kept
