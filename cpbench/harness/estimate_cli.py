@@ -60,7 +60,8 @@ def register(subparsers) -> None:
     quick.add_argument("--model", default=None, help="a preset, e.g. qwen3-0.6b")
     quick.add_argument("--seq", default=None, help="lengths, e.g. 16384,32768")
     quick.add_argument("--cp", default="1,2", help="cp sizes (default 1,2)")
-    quick.add_argument("--attn", default="sdpa", help="attention backends (default sdpa)")
+    quick.add_argument("--attn", default=None, help="attention backends (default: sdpa, or eager for a family "
+                                                      "without sdpa, as transformers picks)")
     quick.add_argument("--styles", default="cp_ulysses,cp_ring_zigzag",
                        help="CP styles at cp > 1 (default cp_ulysses,cp_ring_zigzag)")
     quick.add_argument("--dtype", default="bfloat16", help="float32 | bfloat16 | float16 (default bfloat16)")
@@ -99,6 +100,7 @@ def register(subparsers) -> None:
 
 def _quick_suite(args):
     from cpbench.harness.suite.spec import load_suite
+    from cpbench.harness.suite.grid_checks import default_backend
     from cpbench.harness.suite.suite_errors import in_flags
 
     from cpbench.harness.suite.suites import resolve_suite
@@ -116,7 +118,8 @@ def _quick_suite(args):
     given = given.parent if given.name == "config.json" else given
     short = re.sub(r"[^A-Za-z0-9._-]+", "-", given.name).strip("-") or "model"
     fields = {"name": f"estimate-{short}", "model": args.model, "seq_lens": _ints("--seq", args.seq),
-              "cp_sizes": _ints("--cp", args.cp), "attn_implementations": _names(args.attn),
+              "cp_sizes": _ints("--cp", args.cp),
+              "attn_implementations": _names(args.attn) if args.attn else [default_backend(args.model)],
               "cp_styles": _names(args.styles), "dtype": args.dtype, "device": args.device,
               "batch_kind": args.batch_kind, "batch_size": args.batch_size, "loss": args.loss,
               "activation_checkpointing": args.recompute,

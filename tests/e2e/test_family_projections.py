@@ -53,11 +53,18 @@ def test_a_forward_that_reads_a_value_says_to_measure_instead(tmp_path):
 
 def test_a_backend_the_family_does_not_support_is_refused_before_projecting(tmp_path, capsys):
     tiny_config("gemma2").save_pretrained(tmp_path / "gemma2")
-    rc = main(["estimate", "--model", str(tmp_path / "gemma2"), "--seq", "64", "--cp", "2", "--world-size", "2",
-               "--out", str(tmp_path / "results")])
+    args = ["--model", str(tmp_path / "gemma2"), "--seq", "64", "--cp", "2", "--world-size", "2", "--jobs", "1"]
+    rc = main(["estimate", *args, "--attn", "sdpa", "--out", str(tmp_path / "refused")])
     err = capsys.readouterr().err
-    assert rc == 2 and not (tmp_path / "results").exists()
+    assert rc == 2 and not (tmp_path / "refused").exists()
     assert "`--attn sdpa`: Gemma2ForCausalLM does not support it" in err and "'eager'" in err
+    # named by no flag, the backend is the one transformers picks for the family: eager here, sdpa for a Llama
+    assert main(["estimate", *args, "--out", str(tmp_path / "picked")]) == 0
+    df = store.read_run(sorted((tmp_path / "picked").glob("*/*/runs.parquet"))[-1])
+    assert set(df["attn_implementation"]) == {"eager"} and set(df["status"]) == {"ok"}
+    from cpbench.harness.suite.grid_checks import default_backend
+
+    assert default_backend("tiny-llama") == "sdpa" and default_backend("no-such-model") == "sdpa"
 
 
 def _text_families() -> list[str]:

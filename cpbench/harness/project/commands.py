@@ -29,7 +29,8 @@ def register(subparsers) -> None:
                            "projection does not see: the CUDA context, NCCL's buffers, fragmentation (default 4GiB)")
     plan.add_argument("--styles", default="cp_ulysses,cp_ring_zigzag,cp_usp",
                       help="CP styles searched (default cp_ulysses,cp_ring_zigzag,cp_usp: USP at each Ulysses degree)")
-    plan.add_argument("--attn", default="sdpa", help="attention backends searched (default sdpa)")
+    plan.add_argument("--attn", default=None, help="attention backends searched (default: sdpa, or eager for a "
+                                                    "family without sdpa, as transformers picks)")
     plan.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                       help="a model config value (repeatable), e.g. max_position_embeddings=1048576")
     plan.add_argument("--min-gain", type=float, default=0.02,
@@ -90,6 +91,7 @@ def _documents(text: str | None):
 def plan_command(args) -> int:
     from cpbench.harness.project.record import record_block
     from cpbench.harness.project.plan import PlanOptions, ranked, run_plan
+    from cpbench.harness.suite.grid_checks import default_backend
     from cpbench.report.runs import store
 
     t0 = time.perf_counter()
@@ -102,7 +104,8 @@ def plan_command(args) -> int:
         opts = PlanOptions(cp_plan=cp_plan, model=args.model, seq=args.seq, gpus=args.gpus, gpu=args.gpu, nodes=args.nodes,
                            host_memory=args.host_memory, device_memory=args.device_memory, headroom=args.headroom,
                            styles=tuple(s.strip() for s in args.styles.split(",") if s.strip()),
-                           attn=tuple(a.strip() for a in args.attn.split(",") if a.strip()),
+                           attn=tuple(a.strip() for a in (args.attn or default_backend(args.model)).split(",")
+                                      if a.strip()),
                            overrides=_overrides(args.override), min_gain=args.min_gain, out=args.results,
                            jobs=args.jobs, documents=_documents(args.documents), norm=args.norm,
                            optimizer=args.optimizer, max_grad_norm=args.max_grad_norm)

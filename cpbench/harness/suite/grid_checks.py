@@ -57,19 +57,35 @@ SUPPORT_FLAGS = {"sdpa": "_supports_sdpa", "flex_attention": "_supports_flex_att
                  "flash_attention_4": "_supports_flash_attn"}
 
 
-def check_backends_supported(suite, config) -> None:
-    """Each backend against what the model's class says it supports: transformers refuses the rest when the model
-    is built, in every point's process; here the suite is refused first, naming the backends it does support."""
+def supported_backends(config) -> tuple[str, list[str]] | None:
+    """(the model class's name, the backends it supports), or None for a config no auto class builds."""
     from transformers import AutoModelForCausalLM
 
-    if suite.level != "model":
-        return
     try:
         cls = AutoModelForCausalLM._model_mapping[type(config)]
     except KeyError:  # not an auto class's config: the build says what is wrong
-        return
-    usable = ["eager"] + [b for b, flag in SUPPORT_FLAGS.items() if getattr(cls, flag, False)]
-    each(_supported, suite.attn_implementations, cls.__name__, usable)
+        return None
+    return cls.__name__, ["eager"] + [b for b, flag in SUPPORT_FLAGS.items() if getattr(cls, flag, False)]
+
+
+def default_backend(model: str) -> str:
+    """The backend transformers picks when none is named: sdpa where the model's class supports it, else eager.
+    sdpa for a model that cannot be read (its own error comes with the suite)."""
+    from cpbench.harness.suite.presets import get_preset
+
+    try:
+        found = supported_backends(get_preset(model).config({}))
+    except (ValueError, OSError):
+        return "sdpa"
+    return "sdpa" if found is None or "sdpa" in found[1] else "eager"
+
+
+def check_backends_supported(suite, config) -> None:
+    """Each backend against what the model's class says it supports: transformers refuses the rest when the model
+    is built, in every point's process; here the suite is refused first, naming the backends it does support."""
+    found = supported_backends(config) if suite.level == "model" else None
+    if found is not None:
+        each(_supported, suite.attn_implementations, *found)
 
 
 def _supported(b: str, model: str, usable: list) -> None:
