@@ -14,7 +14,8 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from cpbench.cli import main
 from cpbench.cp.families import table
-from cpbench.cp.families.tiny import causal_lm_class, tiny_config
+from cpbench.cp.families.tiny import tiny_config
+from cpbench.harness.suite.grid_checks import default_backend
 from cpbench.report.runs import store
 
 VALUE_READ = "fake tensors, which hold no values"  # the row of a point whose forward reads a tensor's value
@@ -23,13 +24,13 @@ VALUE_READ = "fake tensors, which hold no values"  # the row of a point whose fo
 def _project(tmp_path, family: str, *extra) -> tuple[int, object, str]:
     config = tiny_config(family)
     config.save_pretrained(tmp_path / family)
-    # the backend a user of the family would pick: sdpa where the family supports it (transformers' default)
-    attn = "sdpa" if getattr(causal_lm_class(family), "_supports_sdpa", False) else "eager"
+    # no --attn: the backend transformers picks for the family (sdpa, or eager where it has none)
     rc = main(["estimate", "--model", str(tmp_path / family), "--seq", "64", "--cp", "2", "--world-size", "2",
-               "--gpu", "h100-sxm", "--styles", "cp_ulysses,cp_ring_zigzag", "--attn", attn, "--jobs", "1",
+               "--gpu", "h100-sxm", "--styles", "cp_ulysses,cp_ring_zigzag", "--jobs", "1",
                "--out", str(tmp_path / "results"), *extra])
     runs = sorted((tmp_path / "results").glob(f"estimate-{family}/*/runs.parquet"))
-    return rc, (store.read_run(runs[-1]) if runs else None), attn
+    df = store.read_run(runs[-1]) if runs else None
+    return rc, df, None if df is None else ",".join(sorted(set(df["attn_implementation"])))
 
 
 @pytest.mark.parametrize("family, why", [
@@ -62,8 +63,6 @@ def test_a_backend_the_family_does_not_support_is_refused_before_projecting(tmp_
     assert main(["estimate", *args, "--out", str(tmp_path / "picked")]) == 0
     df = store.read_run(sorted((tmp_path / "picked").glob("*/*/runs.parquet"))[-1])
     assert set(df["attn_implementation"]) == {"eager"} and set(df["status"]) == {"ok"}
-    from cpbench.harness.suite.grid_checks import default_backend
-
     assert default_backend("tiny-llama") == "sdpa" and default_backend("no-such-model") == "sdpa"
 
 
@@ -107,7 +106,7 @@ MEASURED = {
 @pytest.mark.parametrize("family", sorted(MEASURED))
 def test_a_family_sweeps_on_cpu_with_parity(tmp_path, family):
     tiny_config(family).save_pretrained(tmp_path / family)
-    attn = "sdpa" if getattr(causal_lm_class(family), "_supports_sdpa", False) else "eager"
+    attn = default_backend(str(tmp_path / family))
     suite = tmp_path / "suite.toml"
     suite.write_text(f'name = "fam"\nmodel = "{tmp_path / family}"\nseq_lens = [64]\ncp_sizes = [2]\nworld_size = 2\n'
                      f'attn_implementations = ["{attn}"]\ncp_styles = ["cp_ulysses", "cp_ring_zigzag"]\n'

@@ -238,6 +238,6 @@ def test_stacked_weights_no_router_explains_are_not_counted():
 
     block = Block()
     with pytest.raises(ValueError, match="how many experts a token runs"):
-        _routed(block, block.experts, get_preset("tiny-llama").config())
+        _routed(block, get_preset("tiny-llama").config())
     block.top_k = 3
-    assert _routed(block, block.experts, get_preset("tiny-llama").config()) == 3
+    assert _routed(block, get_preset("tiny-llama").config()) == 3

@@ -73,8 +73,8 @@ from cpbench.cp.hf_compat.views import (
 __all__ = [
     "CP_ATTENTION_KEY", "HIDDEN_STATES", "KERNEL_DEVICE_KWARG", "LAYOUT_KWARG", "POSITION_EMBEDDINGS",
     "POSITION_IDS", "AttentionConfigView", "ModuleView", "bind_attention", "builds_no_mask", "init_distributed",
-    "inner_attention", "install", "known_values_are_not_tracing", "value_free_init", "masks_isolate_documents", "model_config",
-    "model_attention_implementation", "recomputed_layers", "run_style", "tie_embedded_tail",
+    "inner_attention", "install", "known_values_are_not_tracing", "masks_isolate_documents", "model_config",
+    "model_attention_implementation", "recomputed_layers", "run_style", "tie_embedded_tail", "value_free_init",
 ]
 
 

@@ -194,29 +194,29 @@ def _per_token(model, config) -> int:
     import torch
     from transformers.pytorch_utils import Conv1D
 
+    parents = {child: parent for parent in model.modules() for child in parent.children()}
     total = 0
     for module in model.modules():
         if isinstance(module, (torch.nn.Linear, Conv1D)):
             total += module.weight.numel()
-        for param in module.parameters(recurse=False):
-            if param.dim() == 3 and param.shape[0] > 1:  # stacked experts: [experts, out, in]
-                total += param.numel() * _routed(model, module, config) // param.shape[0]
+        stacked = [p for p in module.parameters(recurse=False) if p.dim() == 3 and p.shape[0] > 1]  # [experts, ...]
+        if stacked:
+            routed = _routed(parents.get(module), config)
+            total += sum(p.numel() * routed // p.shape[0] for p in stacked)
     return total
 
 
-def _routed(model, experts, config) -> int:
-    """How many of `experts`' stacked experts a token runs: its MoE block's router's `top_k` (the block holds both),
-    else the config's; a model that says neither is refused rather than counted at every expert."""
-    for block in model.modules():
-        if any(child is experts for child in block.children()):
-            for part in (block, *block.children()):
-                for name in TOP_K:
-                    if isinstance(getattr(part, name, None), int):
-                        return getattr(part, name)
+def _routed(block, config) -> int:
+    """How many of a block's stacked experts a token runs: the block's or its router's `top_k` (the MoE block holds
+    both), else the config's; a model that says neither is refused rather than counted at every expert."""
+    for part in (block, *block.children()) if block is not None else ():
+        for name in TOP_K:
+            if isinstance(getattr(part, name, None), int):
+                return getattr(part, name)
     for name in TOP_K:
         if isinstance(getattr(config, name, None), int):
             return getattr(config, name)
-    raise ValueError(f"{type(experts).__name__}: no router `top_k` nor config {list(TOP_K)} says how many experts a "
+    raise ValueError(f"{type(block).__name__}: no router `top_k` nor config {list(TOP_K)} says how many experts a "
                      "token runs, so its model FLOPs are not counted")
 
 

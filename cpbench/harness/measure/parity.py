@@ -141,10 +141,10 @@ def compare(ours: dict, ref: dict, dtype: str, world_size: int) -> dict:
         loss_err = math.nan
     logits_err = _logits_error(ours["logits"], ref["logits"])
     worst, where = 0.0, None
-    norms = [_norm(r) for r in ref["grads"].values()]
-    floor = rounding_unit(dtype) * max((n for n in norms if math.isfinite(n)), default=0.0)
+    norms = {name: _norm(r) for name, r in ref["grads"].items()}
+    floor = rounding_unit(dtype) * max((n for n in norms.values() if math.isfinite(n)), default=0.0)
     for name, r in ref["grads"].items():
-        err = _grad_error(ours["grads"].get(name), r, floor)
+        err = _grad_error(ours["grads"].get(name), r, norms[name], floor)
         if where is None or _severity(err) > _severity(worst):
             worst, where = err, name
     checks = [("loss", loss_err, tol["loss_rtol"]), ("logits", logits_err, tol["logits_atol"]),
@@ -172,14 +172,14 @@ def _norm(r) -> float:
     return r[0] if isinstance(r, tuple) else float(r.norm())
 
 
-def _grad_error(g, r, floor: float = 0.0) -> float:
-    """The relative error of one parameter's gradient; under the rounding `floor` (see REDUCTION_DEPTH's comment) its
-    error relative to the floor instead."""
+def _grad_error(g, r, ref_norm: float, floor: float) -> float:
+    """The relative error of one parameter's gradient (`ref_norm`: its reference's norm); under the rounding `floor`
+    (see REDUCTION_DEPTH's comment) its error relative to the floor instead."""
     if g is None:
         return math.inf  # a parameter without a gradient on our side is a parity failure
-    below = min(1.0, _norm(r) / floor) if floor > 0 and math.isfinite(_norm(r)) else 1.0
+    below = min(1.0, ref_norm / floor) if floor > 0 and math.isfinite(ref_norm) else 1.0
     if isinstance(r, tuple):
-        (norm, proj), (ref_norm, ref_proj) = g, r
+        (norm, proj), (_, ref_proj) = g, r
         values = (norm, ref_norm, *proj.tolist(), *ref_proj.tolist())
         if not all(math.isfinite(v) for v in values):
             return math.nan
@@ -187,7 +187,7 @@ def _grad_error(g, r, floor: float = 0.0) -> float:
         return below * _worst(proj_err, abs(norm - ref_norm) / max(ref_norm, 1e-30))
     if not (torch.isfinite(g).all() and torch.isfinite(r).all()):
         return math.nan
-    return below * float((g - r).norm() / r.norm().clamp(min=1e-30))
+    return below * float((g - r).norm()) / max(ref_norm, 1e-30)
 
 
 def cache_path(cache_dir: Path, point, mode: str, reference: str = "unsharded") -> Path:
