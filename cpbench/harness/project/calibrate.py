@@ -30,15 +30,18 @@ FACTORS = (0.25, 0.5, 0.7, 0.85, 1.0, 1.18, 1.4, 2.0, 4.0)
 
 @dataclass
 class Sample:
-    """One measured point: its projected ranks' traces, its dtype and the measured median step time."""
+    """One measured point: its projected ranks' traces, its dtype, the measured median step time and its GPUs (the
+    step runs at the slowest one's pace: Hardware.at_scale)."""
 
     point_id: str
     traces: list
     dtype: str
     measured_s: float
+    gpus: int = 1
 
     def projected(self, hw: Hardware) -> float:
-        return max(simulate(t, hw, self.dtype)["step_s"] for t in self.traces)
+        paced = hw.at_scale(self.gpus)
+        return max(simulate(t, paced, self.dtype)["step_s"] for t in self.traces)
 
 
 def _used(samples: list[Sample], hw: Hardware) -> list[str]:
@@ -137,7 +140,7 @@ def samples_of_run(run_dir: Path, gpus_per_node: int | None = None, progress=Non
         per_node = gpus_per_node or int(r.get("device_count") or 0) or point.world_size
         traces = [project_rank(point, rank, gpus_per_node=per_node, keep_trace=True)["trace"]
                   for rank in projected_ranks(point)]
-        out.append(Sample(r["point_id"], traces, point.dtype, float(r["step_time_median_s"])))
+        out.append(Sample(r["point_id"], traces, point.dtype, float(r["step_time_median_s"]), point.world_size))
         if progress:
             progress(r["point_id"])
     return out, note

@@ -27,6 +27,8 @@ HOW = {
     "intra_node_latency_s": "nccl-tests all_reduce_perf at 8 B inside a node (its time is the latency)",
     "inter_node_latency_s": "nccl-tests all_reduce_perf at 8 B across two nodes",
     "intra_node": "nccl-tests all_reduce_perf over the node's GPUs at 1-4 GiB (bus bandwidth)",
+    "chip_spread": "ml-engineering's mamf-finder-all-gpus.py on every node of a job: the standard deviation of all its "
+                   "GPUs' MSMF over their median",
 }
 
 

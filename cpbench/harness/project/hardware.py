@@ -8,6 +8,8 @@ runs the model is judged on) or fitted by `cpbench calibrate` to a measured swee
 
 from __future__ import annotations
 
+import functools
+import math
 import tomllib
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -95,6 +97,24 @@ class Hardware:
     # an element-wise kernel's fixed time beyond its bytes at the efficient HBM bandwidth: its first wave's DRAM
     # latency and its tail, a time that does not shrink with a faster memory (elementwise/)
     memory_ramp_s: float = 0.0
+    # Chips of one GPU differ: the relative standard deviation of a chip's sustained compute rate across chips, and
+    # how many GPUs the `gemm` figure is the slowest of (1: one chip's; 8: the slowest GPU of a node measured whole).
+    # A synchronous step runs at its slowest GPU's pace (`at_scale`). 0: every chip alike, as before the figure.
+    chip_spread: float = 0.0
+    gemm_pace_gpus: int = 1
+
+    def at_scale(self, gpus: int) -> Hardware:
+        """The profile as a step synchronized over `gpus` GPUs runs it: at the pace of the slowest of them. Its
+        compute-bound kernels' efficiencies (GEMMs, attention) are taken from the chip their figures stand for (the
+        slowest of `gemm_pace_gpus` for GEMMs, one chip for the attention kernels' benchmarks) to the expected slowest
+        of `gpus`, each chip's rate a normal draw of relative spread `chip_spread` (a chip's clock under the power
+        limit; memory-bound kernels, links and the host keep theirs)."""
+        if not self.chip_spread:
+            return self
+        pace = 1 - self.chip_spread * expected_slowest(gpus)
+        return self.with_efficiency(**{
+            k: min(1.0, v * pace / (1 - self.chip_spread * expected_slowest(self.gemm_pace_gpus if k == "gemm" else 1)))
+            for k, v in self.efficiency.items() if k == "gemm" or k.startswith("attention")})
 
     def memory_efficiency(self, strided: bool = False) -> float:
         """An element-wise kernel's fraction of the HBM peak; a strided one's (`memory_strided`), where the profile
@@ -131,8 +151,8 @@ class Hardware:
         for key, unit in _RATES.items():
             lines.append(f"{key} = {d[_RATE_FIELDS[key]] / unit!r}")
         lines += [f"{k} = {d[k]!r}" for k in _SCALARS]
-        lines += [f"sms = {self.sms}"] + ([f"gemm_best_shape = {list(self.gemm_best_shape)}"]
-                                          if self.gemm_best_shape else [])
+        lines += [f"sms = {self.sms}", f"gemm_pace_gpus = {self.gemm_pace_gpus}"]
+        lines += [f"gemm_best_shape = {list(self.gemm_best_shape)}"] if self.gemm_best_shape else []
         lines += [f"{k} = {d[f] / 2**20!r}" for k, f in _HALF.items()]
         lines.append(f"\n[{self.name}.efficiency]")
         lines += [f"{k} = {v!r}" for k, v in d["efficiency"].items()]
@@ -148,12 +168,28 @@ _RATE_FIELDS = {"hbm_tb_s": "hbm_bytes_per_s", "nvlink_gb_s": "intra_node_bytes_
                 "host_gb_s": "host_bytes_per_s"}
 _SCALARS = ("kernel_s", "cpu_op_s", "cuda_launch_s", "cpu_fsdp_collective_s", "cpu_optimizer_tensor_s",
             "cpu_recompute_layer_s", "cpu_recompute_replay_s", "cpu_selective_op_s", "memory_ramp_s",
-            "intra_node_latency_s", "inter_node_latency_s", "nccl_sm_fraction")
+            "intra_node_latency_s", "inter_node_latency_s", "nccl_sm_fraction", "chip_spread")
 # Figures later stages added, which a profile file written before them lacks: 0, what the model then assumed
-_SCALARS_SINCE = ("cpu_recompute_layer_s", "cpu_recompute_replay_s", "cpu_selective_op_s", "memory_ramp_s")
+_SCALARS_SINCE = ("cpu_recompute_layer_s", "cpu_recompute_replay_s", "cpu_selective_op_s", "memory_ramp_s",
+                  "chip_spread")
 _HALF = {"intra_node_half_mib": "intra_node_half_bytes", "inter_node_half_mib": "inter_node_half_bytes"}
 _DTYPES = {"bf16_tflops": "bfloat16", "fp16_tflops": "float16", "fp32_tflops": "float32",
            "bfloat16_tflops": "bfloat16", "float16_tflops": "float16", "float32_tflops": "float32"}
+
+
+@functools.cache
+def expected_slowest(gpus: int) -> float:
+    """The expected largest of `gpus` independent standard normal draws (0 for one GPU; 1.42 for 8, 2.58 for
+    128): how many spreads the slowest of that many chips falls below the median chip. The order statistic's
+    integral, x n phi(x) Phi(x)^(n-1) over x, by the midpoint rule (exact to 1e-6 here)."""
+    if gpus <= 1:
+        return 0.0
+    step, total = 1e-3, 0.0
+    for i in range(-10_000, 10_000):
+        x = (i + 0.5) * step
+        total += x * gpus * math.exp(-x * x / 2) / math.sqrt(2 * math.pi) * (0.5 * (1 + math.erf(x / math.sqrt(2)))
+                                                                            ) ** (gpus - 1) * step
+    return total
 
 
 def _q(text: str) -> str:
@@ -185,6 +221,13 @@ def _parse(name: str, table: dict, defaults: dict, origin: str) -> Hardware:
     negative = [k for k in _SCALARS if float(merged[k]) < 0]
     if negative:
         raise ValueError(f"{where}: {', '.join(f'{k} = {merged[k]}' for k in negative)}: give a time of 0 or more.")
+    if not 0 <= float(merged["chip_spread"]) < 0.2:
+        raise ValueError(f"{where}: chip_spread = {merged['chip_spread']}: give the relative standard deviation of a "
+                         "chip's sustained compute rate across chips, in [0, 0.2) (0.009: 0.9 %).")
+    pace_gpus = merged.get("gemm_pace_gpus", 1)
+    if not isinstance(pace_gpus, int) or pace_gpus < 1:
+        raise ValueError(f"{where}: gemm_pace_gpus = {pace_gpus!r}: give how many GPUs the gemm figure is the slowest "
+                         "of, a whole number from 1 (one chip's figure).")
     if not 0 <= float(merged["nccl_sm_fraction"]) < 1:
         raise ValueError(f"{where}: nccl_sm_fraction = {merged['nccl_sm_fraction']}: give the share of the SMs NCCL "
                          "takes, in [0, 1).")
@@ -200,7 +243,7 @@ def _parse(name: str, table: dict, defaults: dict, origin: str) -> Hardware:
                                                                             field_name=f"{where} memory"),
         peak_flops=peaks, **{_RATE_FIELDS[k]: float(merged[k]) * u for k, u in _RATES.items()},
         efficiency=efficiency, sources=sources, device_names=tuple(merged.get("device_names", ())), sdpa_kernel=sdpa,
-        capability=capability, cudnn_version=cudnn, sms=int(merged["sms"]),
+        capability=capability, cudnn_version=cudnn, sms=int(merged["sms"]), gemm_pace_gpus=pace_gpus,
         gemm_best_shape=tuple(shape) if shape else None,
         **{k: float(merged[k]) for k in _SCALARS}, **{f: float(merged[k]) * 2**20 for k, f in _HALF.items()},
     )

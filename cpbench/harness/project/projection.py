@@ -229,8 +229,9 @@ def project_rank(point: Point, rank: int, hardware=None, gpus_per_node: int = 8,
             if trace is not None:
                 trace.close()
                 if hardware is not None:
+                    # priced at the pace of the slowest of the step's GPUs (hardware.at_scale); MFU at the peak
                     record["time"] = {"gpu": hardware.name, "peak_flops": hardware.peak(point.dtype), "pricing": pricing,
-                                      **simulate(trace.ops, hardware, point.dtype)}
+                                      **simulate(trace.ops, hardware.at_scale(point.world_size), point.dtype)}
                 if keep_trace:
                     record["trace"] = trace.ops
             del model, optimizer, probe, batch
