@@ -88,11 +88,11 @@ def project(point, hw) -> dict:
     rec = project_rank(point, 0, hardware=hw, keep_trace=True)
     if rec.get("status") != "ok":
         raise RuntimeError(f"{point.point_id}: the projection says {rec.get('status')}: {rec.get('error')}")
-    out = dict.fromkeys(CLASSES, 0.0)
+    out, paced = dict.fromkeys(CLASSES, 0.0), hw.at_scale(point.world_size)  # as the projection priced them
     for op in rec["trace"]:
         cls = projected_class(op)
         if cls is not None:
-            out[cls] += op_seconds(op, hw, point.dtype)
+            out[cls] += op_seconds(op, paced, point.dtype)
     return {"classes": out, "step_s": rec["time"]["step_s"], "trace": rec["trace"]}
 
 

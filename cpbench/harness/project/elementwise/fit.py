@@ -56,10 +56,12 @@ def trace(row: dict) -> list:
 
 def predicted(ops: list, hw: Hardware) -> float:
     """The kernels back to back on one stream, the host ahead of them (as the benchmark times them): the sum of the
-    time model's price of each op (timing.op_seconds), which is what timing.simulate plays out for such a trace."""
+    time model's price of each op (timing.op_seconds), which is what timing.simulate plays out for such a trace. One
+    GPU timed them: its GEMMs at one chip's pace (Hardware.at_scale)."""
     from cpbench.harness.project.timing import op_seconds
 
-    return sum(op_seconds(o, hw, "bfloat16") for o in ops)
+    one = hw.at_scale(1)
+    return sum(op_seconds(o, one, "bfloat16") for o in ops)
 
 
 def _log_error(traced: list[tuple[dict, list]], hw: Hardware) -> float:
