@@ -48,8 +48,8 @@ WINDOWS = (0.01, 0.05, 0.25)  # the jitter's windows, seconds: a few GEMMs, abou
 
 def step_gemms(point, hw) -> list[tuple[tuple, float, float]]:
     """The point's GEMMs in the projected step's order: ((m, n, k, groups), FLOPs, priced seconds) each."""
-    trace, paced = decompose.project(point, hw)["trace"], hw.at_scale(point.world_size)  # as the step prices them
-    return [(tuple(op.shape[:4]), op.flops, op_seconds(op, paced, point.dtype))
+    trace, one = decompose.project(point, hw)["trace"], hw.at_scale(1)  # one GPU times them: one chip's pace
+    return [(tuple(op.shape[:4]), op.flops, op_seconds(op, one, point.dtype))
             for op in trace if op.kind == "gemm" and len(op.shape) >= 4]
 
 

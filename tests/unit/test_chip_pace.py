@@ -65,6 +65,15 @@ def test_a_profile_written_before_the_chip_spread_has_none_and_bad_values_name_t
     bad.write_text(hw.to_toml().replace("chip_spread = 0.0", "chip_spread = 0.5"))
     with pytest.raises(ValueError, match=r"chip_spread = 0.5: give the relative standard deviation"):
         hardware.load(str(bad))
-    bad.write_text(hw.to_toml().replace("gemm_pace_gpus = 1", "gemm_pace_gpus = 0"))
-    with pytest.raises(ValueError, match=r"gemm_pace_gpus = 0: give how many GPUs"):
+    bad.write_text(hw.to_toml().replace("chip_spread = 0.0", "chip_spread = -0.01"))
+    with pytest.raises(ValueError, match=r"chip_spread = -0.01: give the relative standard deviation"):
         hardware.load(str(bad))
+    bad.write_text(hw.to_toml().replace("chip_spread = 0.0", 'chip_spread = "1 %"'))
+    with pytest.raises(ValueError, match=r"chip_spread = '1 %': give a number"):
+        hardware.load(str(bad))
+    for value in ("0", "true"):
+        bad.write_text(hw.to_toml().replace("gemm_pace_gpus = 1", f"gemm_pace_gpus = {value}"))
+        with pytest.raises(ValueError, match=r"gemm_pace_gpus = (0|True): give how many GPUs"):
+            hardware.load(str(bad))
+    with pytest.raises(ValueError, match=r"at_scale\(0\): a step runs on 1 GPU or more"):
+        hardware.load("h100-sxm").at_scale(0)

@@ -109,6 +109,8 @@ class Hardware:
         slowest of `gemm_pace_gpus` for GEMMs, one chip for the attention kernels' benchmarks) to the expected slowest
         of `gpus`, each chip's rate a normal draw of relative spread `chip_spread` (a chip's clock under the power
         limit; memory-bound kernels, links and the host keep theirs)."""
+        if gpus < 1:
+            raise ValueError(f"at_scale({gpus}): a step runs on 1 GPU or more")
         if not self.chip_spread:
             return self
         pace = 1 - self.chip_spread * expected_slowest(gpus)
@@ -179,17 +181,12 @@ _DTYPES = {"bf16_tflops": "bfloat16", "fp16_tflops": "float16", "fp32_tflops": "
 
 @functools.cache
 def expected_slowest(gpus: int) -> float:
-    """The expected largest of `gpus` independent standard normal draws (0 for one GPU; 1.42 for 8, 2.58 for
+    """The expected largest of `gpus` independent standard normal draws (0 for one GPU; 1.42 for 8, 2.59 for
     128): how many spreads the slowest of that many chips falls below the median chip. The order statistic's
     integral, x n phi(x) Phi(x)^(n-1) over x, by the midpoint rule (exact to 1e-6 here)."""
-    if gpus <= 1:
-        return 0.0
-    step, total = 1e-3, 0.0
-    for i in range(-10_000, 10_000):
-        x = (i + 0.5) * step
-        total += x * gpus * math.exp(-x * x / 2) / math.sqrt(2 * math.pi) * (0.5 * (1 + math.erf(x / math.sqrt(2)))
-                                                                            ) ** (gpus - 1) * step
-    return total
+    xs = [(i + 0.5) / 1000 for i in range(-10_000, 10_000)] if gpus > 1 else []
+    return float(sum(x * gpus * math.exp(-x * x / 2) / math.sqrt(2 * math.pi) / 1000
+                     * (0.5 + 0.5 * math.erf(x / math.sqrt(2))) ** (gpus - 1) for x in xs))
 
 
 def _q(text: str) -> str:
@@ -218,14 +215,17 @@ def _parse(name: str, table: dict, defaults: dict, origin: str) -> Hardware:
                                   and all(isinstance(v, int) and v > 0 for v in shape)):
         raise ValueError(f"{where}: gemm_best_shape = {shape!r}: give the [m, n, k] the gemm efficiency was measured "
                          "at, e.g. [2048, 2048, 13312].")
+    unread = [k for k in _SCALARS if type(merged[k]) not in (int, float)]
+    if unread:
+        raise ValueError(f"{where}: {', '.join(f'{k} = {merged[k]!r}' for k in unread)}: give a number.")
+    if not 0 <= float(merged["chip_spread"]) < 0.05:
+        raise ValueError(f"{where}: chip_spread = {merged['chip_spread']}: give the relative standard deviation of a "
+                         "chip's sustained compute rate across chips, in [0, 0.05) (0.009: 0.9 %).")
     negative = [k for k in _SCALARS if float(merged[k]) < 0]
     if negative:
         raise ValueError(f"{where}: {', '.join(f'{k} = {merged[k]}' for k in negative)}: give a time of 0 or more.")
-    if not 0 <= float(merged["chip_spread"]) < 0.2:
-        raise ValueError(f"{where}: chip_spread = {merged['chip_spread']}: give the relative standard deviation of a "
-                         "chip's sustained compute rate across chips, in [0, 0.2) (0.009: 0.9 %).")
     pace_gpus = merged.get("gemm_pace_gpus", 1)
-    if not isinstance(pace_gpus, int) or pace_gpus < 1:
+    if type(pace_gpus) is not int or pace_gpus < 1:
         raise ValueError(f"{where}: gemm_pace_gpus = {pace_gpus!r}: give how many GPUs the gemm figure is the slowest "
                          "of, a whole number from 1 (one chip's figure).")
     if not 0 <= float(merged["nccl_sm_fraction"]) < 1:
