@@ -113,6 +113,18 @@ def test_segments_mean_exactly_the_dense_mask(case, n):
         assert DENSE in kinds
 
 
+def test_a_window_shorter_than_the_tile_is_computed_as_its_band():
+    # queries 20-29 against keys 10-19 with a window of 5: only queries 20-23 see a key, and only keys 16-19 are seen
+    # (query q sees k when q - k < 5), so the tile is that 4 x 4 band, query i seeing band keys j >= i: flash's
+    # (left 0, right max_seqlen_k) on a square run, where the whole 10 x 10 tile was a dense mask before
+    lean = build_ring_masks(None, seq_len=40, padded_len=40, position_ids=None, sliding_window=5, varlen=True)
+    dense = build_ring_masks(None, seq_len=40, padded_len=40, position_ids=None, sliding_window=5, varlen=False)
+    tile = lean.tile(20, 10, 10)
+    assert tile.kind == SEGMENTS and tile.segments.runs == ((0, 0, 4, 6, 10),) and tile.segments.window == (0, -1)
+    assert torch.equal(segment_mask(tile, 1, 10), dense.tile(20, 10, 10).allowed)
+    assert lean.tile(20, 0, 10).kind == "skip"  # keys 0-9: every one beyond the window of queries 20-29
+
+
 def test_without_varlen_masked_tiles_stay_dense():
     assert all(lean.kind != SEGMENTS for _, _, _, lean in all_tiles("packed", 6))
 

@@ -1,20 +1,22 @@
 """Masked ring tiles in flash attention's variable-length form: packed documents, padded keys and sliding windows
 without a mask tensor.
 
-A ring tile is the queries of one layout chunk against the keys of one chunk: contiguous position ranges of the
-same length, either the same range (the diagonal) or disjoint (the keys before the queries, for a causal model).
-Inside one document such a tile is therefore causal over identical ranges (diagonal) or full (keys before
-queries), and the documents of a tile are independent sequences: exactly flash's varlen form (cu_seqlens), with a
-row's padded keys cut off each document's key range. A sliding window that cuts into the tile is flash's
-`window_size` (bottom-right aligned, which is top-left for equal lengths): (w - 1, 0) on the diagonal, for every
-document; (w - 1 - d, -1) for keys d positions before the queries, where flash reads -1 beside a left window as
-max_seqlen_k (not unbounded). A varlen call has one window for all its sequences, so off the diagonal a window is
-taken only where every segment it cuts has equal query and key lengths and the same offset d, it leaves the others
-whole, and no segment has more queries than max_seqlen_k + 1 (whose first rows would lose keys). Anything else (a
-padded run inside a document's keys, right-padded queries past the last key on the diagonal, a window edge beyond
-the tile, a window flash cannot say) stays a DENSE tile. Rows outside every segment see no key in the tile: output 0,
-LSE -inf, as the ring's merge expects; every row inside a segment sees at least one key, so no kernel meets an empty
-row (flash would give it LSE +inf, which the merge would turn into NaN).
+A ring tile is the queries of one layout chunk against the keys of one chunk: contiguous position ranges of the same
+length, either the same range (the diagonal) or disjoint (the keys before the queries, for a causal model). Inside
+one document such a tile is therefore causal over identical ranges (diagonal) or full (keys before queries), and the
+documents of a tile are independent sequences: exactly flash's varlen form (cu_seqlens), with a row's padded keys
+cut off each document's key range. A sliding window that cuts into the tile is flash's `window_size` (bottom-right
+aligned, which is top-left for equal lengths): (w - 1, 0) on the diagonal, for every document; (w - 1 - d, -1) for
+keys d positions before the queries, where flash reads -1 beside a left window as max_seqlen_k (not unbounded). Off
+the diagonal a segment is first cut to the band its window leaves (the queries up to the last key's window edge, the
+keys from the first query's): a window shorter than the tile leaves its w-1 queries over w-1 keys at d = w-1, window
+(0, -1), where the whole tile would be a dense mask. A varlen call has one window for all its sequences, so off the
+diagonal a window is taken only where every segment it cuts has equal query and key lengths and the same offset d,
+it leaves the others whole, and no segment has more queries than max_seqlen_k + 1 (whose first rows would lose
+keys). Anything else (a padded run inside a document's keys, right-padded queries past the last key on the diagonal,
+a cut band of unequal lengths, a window flash cannot say) stays a DENSE tile. Rows outside every segment see no key
+in the tile: output 0, LSE -inf, as the ring's merge expects; every row inside a segment sees at least one key, so
+no kernel meets an empty row (flash would give it LSE +inf, which the merge would turn into NaN).
 
 The kernels (`ring_cuda.CudaSdpaKernel` through aten's flash op, `ring_flash.FlashAttnKernel` through flash-attn)
 each supply a `VarlenOps` pair; packing, cu_seqlens and scattering back are here, once.
@@ -91,8 +93,13 @@ def segments_of_runs(batch: BatchMask, seq_len: int, causal: bool, window: int |
                 continue  # the document's keys here all come after its queries
             elif causal and ke > qs:
                 return None  # keys on both sides of the queries
-            if causal and window is not None and not diagonal and qs - (ke - 1) >= window:
-                continue  # every key of the document lies beyond the window
+            if causal and window is not None and not diagonal:
+                if qs - (ke - 1) >= window:
+                    continue  # every key of the document lies beyond the window
+                # the band the window leaves: queries up to the last key's window edge, keys from the first query's
+                # (a window shorter than the tile: a band of w - 1 where the whole tile was computed)
+                qe, k_from = min(qe, ke - 1 + window), max(ks, qs - window + 1)
+                k_at, ks = k_at + k_from - ks, k_from
             runs.append((r, q_at, q_at + qe - qs, k_at, k_at + ke - ks))
             spans.append((r, qs, qe, ks, ke))
     if not runs:
