@@ -3,6 +3,8 @@ suites), and a calibration from a measured run that an estimate then prices with
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import re
 
 import pyarrow as pa
@@ -82,6 +84,21 @@ def _drive(chain, rows, first=None):
 
 
 ULYSSES, RING, USP = ("sdpa", "cp_ulysses", 1), ("sdpa", "cp_ring_zigzag", 1), ("sdpa", "cp_usp", 2)
+
+
+def test_where_ulysses_would_run_the_models_mask_usp_at_degree_cp_is_searched_too():
+    # a sliding window (or packed documents): cp_ulysses runs the model's S x S mask through SDPA's masked kernel,
+    # and cp_usp at degree cp is the same exchange on the ring's kernel, which builds none
+    from cpbench.harness.project.plan import candidates_for, masked
+
+    opts = PlanOptions(model="tiny-llama", seq=8192, gpus=4, gpu="h100-sxm")
+    llama = get_preset("tiny-llama").config({})
+    window = get_preset("tiny-llama").config({"sliding_window": 64})
+    assert not masked(llama, opts) and masked(window, opts) and masked(llama, replace(opts, documents="mixed"))
+    assert ("sdpa", "cp_usp", 4) not in candidates_for(opts, llama)
+    assert ("sdpa", "cp_usp", 4) in candidates_for(opts, window)
+    assert Search(opts, 1 << 40, llama).cps(USP) == [4] and Search(opts, 1 << 40, window).cps(USP) == [4, 2]
+    assert Search(opts, 1 << 40, window).cps(("sdpa", "cp_usp", 4)) == [4]
 
 
 def test_the_search_goes_by_levels_and_prunes_only_by_finished_ones():
