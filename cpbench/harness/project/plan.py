@@ -1,11 +1,9 @@
 """`cpbench plan`: the configurations of a model at a length on a machine that fit, ranked by projected speed.
 
 The search covers cp size (the powers of two up to the GPUs), style (Ulysses, the zigzag ring, USP at each
-Ulysses degree; others on request), attention backend, and a ladder of memory levers, each rung holding less
-than the one below and adding time: none; the chunked loss; + recompute op by op (each layer keeps its attention's
-and every other matmul's outputs); recompute of whole layers in its place; + activation offload; + tiled MLP;
-+ parameter offload. Every configuration tried is a projected row of one run (estimate.py's machinery: memory on
-both sides, and time on the GPU profile), so `cpbench report` reads the search.
+Ulysses degree: `masked`; others on request), attention backend, and a ladder of memory levers (`RUNGS`), each rung
+holding less than the one below and adding time. Every configuration tried is a projected row of one run
+(estimate.py's machinery), so `cpbench report` reads the search.
 
 The search goes by cp size, largest first, one level at a time: every configuration of a level is projected (side
 by side, `jobs` at once), then the level's results decide what the next level tries. What is pruned depends only
