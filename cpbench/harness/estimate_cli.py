@@ -98,6 +98,22 @@ def register(subparsers) -> None:
     est.set_defaults(func=estimate_command)
 
 
+def ulysses_mask_hint(points) -> str | None:
+    """What to say where a cp_ulysses point runs the model's S x S mask (a sliding window, packed documents) through
+    SDPA or eager attention (flash attention takes the window itself): cp_usp at degree cp runs without it."""
+    from cpbench.harness.project.plan import masked
+    from cpbench.harness.suite.presets import get_preset
+
+    for p in points:
+        if p.cp_style == "cp_ulysses" and p.attn_implementation in ("sdpa", "eager") and \
+                masked(get_preset(p.preset).config(p.model_overrides), p.documents):
+            return (f"{p.point_id}: cp_ulysses hands the model's own attention its whole S x S mask (a sliding "
+                    "window, or packed documents), which its masked kernel copies in every layer; cp_usp with "
+                    "cp_ulysses_degree = cp (--styles cp_usp) runs the same all-to-all on the ring's kernel, which "
+                    "builds no such mask.")
+    return None
+
+
 def _quick_suite(args):
     from cpbench.harness.suite.spec import load_suite
     from cpbench.harness.suite.grid_checks import default_backend
@@ -212,6 +228,9 @@ def estimate_command(args) -> int:
               "--device-memory 80GiB to check.")
     if args.gpu is None:
         print("no --gpu given: no time projected; give --gpu h100-sxm (or a100-sxm, h200, ...) for step times.")
+    hint = ulysses_mask_hint(suite.points())
+    if hint:
+        print(f"\n{hint}")
     record = record_block(df)
     if record:
         print(f"\n{record}")

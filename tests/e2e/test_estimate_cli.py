@@ -85,6 +85,22 @@ def test_the_quick_form_projects_one_model_without_a_suite(tmp_path, capsys):
     assert len(cp2["peak_bytes_per_rank"].iloc[0]) == 2
 
 
+def test_ulysses_on_a_windowed_model_is_told_of_the_mask_it_runs_and_of_usp(tmp_path, capsys):
+    rc, _ = _estimate(tmp_path, "--model", "tiny-mistral", "--seq", "128", "--cp", "2", "--device", "cpu",
+                      "--dtype", "float32", "--styles", "cp_ulysses,cp_ring_zigzag")
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "cp_ulysses hands the model's own attention its whole S x S mask" in out and "cp_usp with" in out
+    from cpbench.harness.estimate_cli import ulysses_mask_hint
+    from cpbench.harness.suite.spec import load_suite
+
+    text = 'model = "tiny-llama"\nseq_lens = [128]\ncp_sizes = [2]\ncp_styles = ["cp_ulysses"]\ndevice = "cpu"\n'
+    assert ulysses_mask_hint(load_suite("plain", text=text).points()) is None  # no window, no documents: no mask
+    flash = load_suite("flash", text=text.replace("tiny-llama", "tiny-mistral").replace('"cpu"', '"cuda"')
+                       + 'attn_implementations = ["flash_attention_2"]\ndtype = "bfloat16"\n')
+    assert ulysses_mask_hint(flash.points()) is None  # flash takes the window itself
+
+
 def test_a_timed_point_is_told_its_regimes_record_against_published_measurements(tmp_path, capsys):
     rc, df = _estimate(tmp_path, "--model", "tiny-qwen3", "--seq", "128", "--cp", "2", "--world-size", "4",
                        "--gpu", "h100-sxm")

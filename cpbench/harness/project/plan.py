@@ -92,18 +92,18 @@ def cp_sizes(gpus: int) -> list[int]:
     return sorted((c for c in (2 ** i for i in range(12)) if c <= gpus and gpus % c == 0), reverse=True)
 
 
-def masked(config, opts: PlanOptions) -> bool:
+def masked(config, documents) -> bool:
     """Whether `cp_ulysses` would run the model's S x S mask (a sliding window, packed documents), which SDPA's
     masked kernel copies in every layer: then USP at degree cp (that exchange on the ring's kernel) is searched."""
     window = getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True) is not False
     layers = getattr(config, "layer_types", None) or ()
-    return bool(window) or "sliding_attention" in layers or opts.documents != "none"
+    return bool(window) or "sliding_attention" in layers or documents != "none"
 
 
 def candidates_for(opts: PlanOptions, config) -> list[tuple[str, str, int]]:
     """(attn, style, ulysses degree): one chain each; USP once per degree that shares the heads and leaves a ring (or,
     where Ulysses would run the model's mask, `masked`, none: degree cp)."""
-    largest, heads, top = cp_sizes(opts.gpus)[0], config.num_attention_heads, masked(config, opts)
+    largest, heads, top = cp_sizes(opts.gpus)[0], config.num_attention_heads, masked(config, opts.documents)
     out = []
     for attn in opts.attn:
         for style in opts.styles:
@@ -179,7 +179,7 @@ class Search:
 
     def cps(self, key: tuple) -> list[int]:
         _, style, degree = key
-        least = degree if masked(self.config, self.opts) else degree + 1  # degree cp: Ulysses on the ring's kernel
+        least = degree if masked(self.config, self.opts.documents) else degree + 1  # degree cp: Ulysses on the ring's kernel
         return [c for c in cp_sizes(self.opts.gpus) if (c > 1 or style == self.opts.styles[0])
                 and (style != "cp_usp" or (c >= least and c % degree == 0))]
 
