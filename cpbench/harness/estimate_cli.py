@@ -105,8 +105,8 @@ def ulysses_mask_hint(points) -> str | None:
     from cpbench.harness.suite.presets import get_preset
 
     for p in points:
-        if p.cp_style == "cp_ulysses" and p.attn_implementation in ("sdpa", "eager") and \
-                masked(get_preset(p.preset).config(p.model_overrides), p.documents):
+        if p.cp_style == "cp_ulysses" and \
+                masked(get_preset(p.preset).config(p.model_overrides), p.documents, p.attn_implementation):
             return (f"{p.point_id}: cp_ulysses hands the model's own attention its whole S x S mask (a sliding "
                     "window, or packed documents), which its masked kernel copies in every layer; cp_usp with "
                     "cp_ulysses_degree = cp (--styles cp_usp) runs the same all-to-all on the ring's kernel, which "

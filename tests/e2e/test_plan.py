@@ -92,7 +92,8 @@ def test_where_ulysses_would_run_the_models_mask_usp_at_degree_cp_is_searched_to
     opts = PlanOptions(model="tiny-llama", seq=8192, gpus=4, gpu="h100-sxm")
     llama = get_preset("tiny-llama").config({})
     window = get_preset("tiny-llama").config({"sliding_window": 64})
-    assert not masked(llama, "none") and masked(window, "none") and masked(llama, "mixed")
+    assert not masked(llama, "none", "sdpa") and masked(window, "none", "sdpa") and masked(llama, "mixed", "eager")
+    assert not masked(window, "mixed", "flash_attention_2")  # flash takes the window and the documents itself
     assert ("sdpa", "cp_usp", 4) not in candidates_for(opts, llama)
     assert ("sdpa", "cp_usp", 4) in candidates_for(opts, window)
     assert Search(opts, 1 << 40, llama).cps(USP) == [4] and Search(opts, 1 << 40, window).cps(USP) == [4, 2]

@@ -113,10 +113,9 @@ class Hardware:
             raise ValueError(f"at_scale({gpus}): a step runs on 1 GPU or more")
         if not self.chip_spread:
             return self
-        pace = 1 - self.chip_spread * expected_slowest(gpus)
-        return self.with_efficiency(**{
-            k: min(1.0, v * pace / (1 - self.chip_spread * expected_slowest(self.gemm_pace_gpus if k == "gemm" else 1)))
-            for k, v in self.efficiency.items() if k == "gemm" or k.startswith("attention")})
+        pace, gemm_figure = (1 - self.chip_spread * expected_slowest(n) for n in (gpus, self.gemm_pace_gpus))
+        return self.with_efficiency(gemm=min(1.0, self.efficiency["gemm"] * pace / gemm_figure), **{
+            k: min(1.0, v * pace) for k, v in self.efficiency.items() if k.startswith("attention")})
 
     def memory_efficiency(self, strided: bool = False) -> float:
         """An element-wise kernel's fraction of the HBM peak; a strided one's (`memory_strided`), where the profile

@@ -92,20 +92,22 @@ def cp_sizes(gpus: int) -> list[int]:
     return sorted((c for c in (2 ** i for i in range(12)) if c <= gpus and gpus % c == 0), reverse=True)
 
 
-def masked(config, documents) -> bool:
-    """Whether `cp_ulysses` would run the model's S x S mask (a sliding window, packed documents), which SDPA's
-    masked kernel copies in every layer: then USP at degree cp (that exchange on the ring's kernel) is searched."""
+def masked(config, documents, attn: str) -> bool:
+    """Whether `cp_ulysses` would run the model's S x S mask (a sliding window, packed documents) through SDPA or eager
+    attention, whose masked kernel copies it in every layer (flash takes the window and the documents itself): then
+    USP at degree cp (that exchange on the ring's kernel) is searched."""
     window = getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True) is not False
     layers = getattr(config, "layer_types", None) or ()
-    return bool(window) or "sliding_attention" in layers or documents != "none"
+    return attn in ("sdpa", "eager") and (bool(window) or "sliding_attention" in layers or documents != "none")
 
 
 def candidates_for(opts: PlanOptions, config) -> list[tuple[str, str, int]]:
     """(attn, style, ulysses degree): one chain each; USP once per degree that shares the heads and leaves a ring (or,
     where Ulysses would run the model's mask, `masked`, none: degree cp)."""
-    largest, heads, top = cp_sizes(opts.gpus)[0], config.num_attention_heads, masked(config, opts.documents)
+    largest, heads = cp_sizes(opts.gpus)[0], config.num_attention_heads
     out = []
     for attn in opts.attn:
+        top = masked(config, opts.documents, attn)
         for style in opts.styles:
             if style == "cp_usp":
                 out += [(attn, style, d) for d in (2 ** i for i in range(1, 6))
@@ -163,6 +165,7 @@ class Search:
 
     def __init__(self, opts: PlanOptions, capacity: int, config):
         self.opts, self.capacity, self.config = opts, capacity, config
+        self.masked_attn = {a for a in opts.attn if masked(config, opts.documents, a)}  # backends USP runs at degree cp
         self.best = 0.0
         self.start: dict[tuple, int] = {}  # configuration -> the rung its next (smaller) cp starts at
         self.bound: dict[tuple, float] = {}  # configuration -> tokens/s per GPU its smaller cps cannot pass
@@ -178,8 +181,8 @@ class Search:
         return f"{style}{f'-u{degree}' if style == 'cp_usp' else ''}/{attn}"
 
     def cps(self, key: tuple) -> list[int]:
-        _, style, degree = key
-        least = degree if masked(self.config, self.opts.documents) else degree + 1  # degree cp: Ulysses on the ring's kernel
+        attn, style, degree = key
+        least = degree if attn in self.masked_attn else degree + 1  # degree cp: Ulysses on the ring's kernel
         return [c for c in cp_sizes(self.opts.gpus) if (c > 1 or style == self.opts.styles[0])
                 and (style != "cp_usp" or (c >= least and c % degree == 0))]
 
