@@ -95,14 +95,20 @@ def test_without_a_table_a_gemm_follows_a_published_k_sweep_by_its_epilogue():
 
 
 def test_without_a_table_no_gemm_is_priced_past_the_fastest_shape_its_figure_was_searched_from():
-    # the A100's figure is the best of a search of shapes (271.2 TFLOP/s at 1024 x 10240 x 5120): its waves-and-
-    # epilogue arithmetic would put full-wave, long-K GEMMs (a 70B's MLP) 2-5 % past it
+    # the A100's figure is a sustained rate at its shape (258 TFLOP/s at 2304 x 1536 x 6144, one full wave): its
+    # waves-and-epilogue arithmetic would put full-wave, long-K GEMMs (a 70B's MLP) past it
     a100 = hardware.load("a100-sxm")
-    best = 271.2
-    assert _tflops(a100, 1024, 10240, 5120) == pytest.approx(best, rel=1e-3)
+    best = 258.0
+    assert _tflops(a100, 2304, 1536, 6144) == pytest.approx(best, rel=1e-3)
     for shape in ((8192, 28672, 8192), (8192, 8192, 28672), (16384, 5120, 13824)):
-        assert _tflops(a100, *shape) == pytest.approx(best, rel=1e-3), shape
+        assert _tflops(a100, *shape) == pytest.approx(best, rel=2e-3), shape
     assert _tflops(a100, 8192, 4096, 4096) < best - 10  # a short K pays its epilogue
+
+
+def test_the_a100s_sustained_figure_prices_a_published_randn_gemm_as_timed():
+    # Held out (the figure is another card's MSMF): Horace He's cuBLAS bf16 8192^3 on an A100 through PyTorch, on
+    # torch.randn inputs, 257-258 TFLOP/s (thonking.ai, 2024); the burst figure the profile had priced it at 271
+    assert _tflops(hardware.load("a100-sxm"), 8192, 8192, 8192) == pytest.approx(257.5, rel=0.01)
 
 
 def test_a_gemm_whose_tiles_leave_the_last_wave_part_empty_runs_slower():

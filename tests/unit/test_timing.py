@@ -104,7 +104,7 @@ def test_every_shipped_profile_loads_and_a_written_profile_reads_back(tmp_path):
 def test_a_bad_profile_names_the_field_and_the_fix(tmp_path):
     with pytest.raises(ValueError, match="not a known GPU .*h100-sxm"):
         hardware.load("h900")
-    text = hardware.builtin()["a100-sxm"].to_toml().replace("gemm = 0.869", "gemm = 1.7")
+    text = hardware.builtin()["a100-sxm"].to_toml().replace("gemm = 0.827", "gemm = 1.7")
     (tmp_path / "bad.toml").write_text(text)
     with pytest.raises(ValueError, match=r"efficiency.gemm = 1.7: give a fraction"):
         hardware.load(str(tmp_path / "bad.toml"))

@@ -18,11 +18,11 @@ output, both arithmetic on published facts, not fits:
 - the epilogue: a tile writes its output after its main loop, at HBM speed. This alone accounts for a published
   K sweep (TileLang's 8192 x 8192 x K fp16 GEMM on an H800 SXM, whose SMs and clocks are an H100 SXM's: 386, 520,
   628, 705, 736, 758, 766 TFLOP/s at K = 256 ... 16384) to 2 % at every K with one core efficiency;
-- the core efficiency is solved from the profile's best-shape figure (ml-engineering's Maximum Achievable Matmul
-  FLOPS table: the shape it was measured at, with its waves and epilogue, is in the profile). No sustained (MSMF)
-  figure of an Ampere GPU was read: the A100's is a burst table's;
+- the core efficiency is solved from the profile's best-shape figure (the A100's: the sustained rate, MSMF, of an
+  A100 PCIe in ml-engineering's table, 258 TFLOP/s; the shape it was measured at, with its waves and epilogue, is in
+  the profile);
 - and no shape runs faster than that figure: it is the fastest of the shapes its search measured (the A100's core
-  efficiency, 0.917, would put a long-K, full-wave GEMM at 286 TFLOP/s, 5 % past the 271.2 the search's best reached).
+  efficiency, 0.854, would put a long-K, full-wave GEMM at 267 TFLOP/s, 3 % past the 258 the search's best sustained).
 
 Which efficiency an op is priced at (`efficiency_key`: a model's own SDPA call runs the kernel the profile names).
 
