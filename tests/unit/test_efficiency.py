@@ -96,19 +96,21 @@ def test_without_a_table_a_gemm_follows_a_published_k_sweep_by_its_epilogue():
 
 def test_without_a_table_no_gemm_is_priced_past_the_fastest_shape_its_figure_was_searched_from():
     # the A100's figure is a sustained rate at its shape (258 TFLOP/s at 2304 x 1536 x 6144, one full wave): its
-    # waves-and-epilogue arithmetic would put full-wave, long-K GEMMs (a 70B's MLP) past it
+    # waves-and-epilogue arithmetic would put full-wave, long-K GEMMs past it (264 at 8192 x 8192 x 28672)
     a100 = hardware.load("a100-sxm")
     best = 258.0
     assert _tflops(a100, 2304, 1536, 6144) == pytest.approx(best, rel=1e-3)
-    for shape in ((8192, 28672, 8192), (8192, 8192, 28672), (16384, 5120, 13824)):
-        assert _tflops(a100, *shape) == pytest.approx(best, rel=2e-3), shape
+    for shape in ((8192, 8192, 28672), (16384, 5120, 13824), (8192, 8192, 8192)):
+        assert _tflops(a100, *shape) == pytest.approx(best, rel=1e-3), shape  # capped
+    assert _tflops(a100, 8192, 28672, 8192) <= best  # a 70B's MLP: its epilogue keeps it under the cap
     assert _tflops(a100, 8192, 4096, 4096) < best - 10  # a short K pays its epilogue
 
 
-def test_the_a100s_sustained_figure_prices_a_published_randn_gemm_as_timed():
-    # Held out (the figure is another card's MSMF): Horace He's cuBLAS bf16 8192^3 on an A100 through PyTorch, on
-    # torch.randn inputs, 257-258 TFLOP/s (thonking.ai, 2024); the burst figure the profile had priced it at 271
-    assert _tflops(hardware.load("a100-sxm"), 8192, 8192, 8192) == pytest.approx(257.5, rel=0.01)
+def test_the_a100_is_never_priced_faster_than_a_short_randn_gemm_ran():
+    # A sustained rate is at most a short run's: cuBLAS's 8192^3 in half precision on an A100 through PyTorch, on
+    # torch.randn inputs, ran at 257-258 TFLOP/s (Horace He, thonking.ai, 2024; 295 on zeros, the same kernel under
+    # its power limit). The burst figure the profile had (271.2) priced it at 271; the sustained one at 258
+    assert _tflops(hardware.load("a100-sxm"), 8192, 8192, 8192) <= 258.0 * 1.001
 
 
 def test_a_gemm_whose_tiles_leave_the_last_wave_part_empty_runs_slower():
