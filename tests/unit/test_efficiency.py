@@ -122,7 +122,7 @@ def test_the_500w_h100_is_never_priced_faster_than_a_500w_h100_ran_a_short_gemm(
     for shape, tflops in ran.items():
         assert _tflops(card, *shape) <= tflops, shape
     # the level is the highest that keeps all three: the slowest of them sets it
-    assert _tflops(card, 65536, 3584, 8192) == pytest.approx(546.31, rel=2e-3)
+    assert _tflops(card, 65536, 3584, 8192) == pytest.approx(546.31, rel=1e-3)  # 0.601 would price it 545.3
     assert card.gemm_pace_gpus == 1 and "PR #2546" in card.sources["gemm"]  # one GPU's runs: one chip's pace
 
 
