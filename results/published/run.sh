@@ -132,12 +132,11 @@ for cp in 1 2 4 8; do
     --max-grad-norm 1.0
 done
 # torchtitan benchmarks/llama3-8b_h200_202506_trainy-whitefiber.md (Trainy, June 2025): the 8B on 4 and 8 nodes of 8 H200s
-# (400 Gb/s RDMA per GPU), local batch 2 x 8192, selective op AC (train_configs/llama3_8b.toml at e7c0cae), compiled with
+# (400 Gb/s RDMA per GPU), $TITAN's step (train_configs/llama3_8b.toml at e7c0cae: selective op AC), compiled with
 # Float8 linears and Float8 all-gathers: the eager step is projected and only the order by nodes is judged. Its torch,
 # 2.8, preferred the flash kernel in SDPA on an H200 (cuDNN's is preferred from torch 2.10: gpus.toml defaults.sources)
 for nodes in 4 8; do
-  est "trainy-h200-$nodes-nodes" --model llama-3-8b --seq 8192 --cp 1 --recompute --recompute-policy op --batch-size 2 \
-    --mixed-precision --max-grad-norm 1.0 --world-size $((8 * nodes)) --gpu h200 --sdpa-kernel flash
+  est "trainy-h200-$nodes-nodes" $TITAN --world-size $((8 * nodes)) --gpu h200 --sdpa-kernel flash
 done
 for seq in 32768 131072; do
   for style in cp_ulysses cp_ring_zigzag cp_ring; do

@@ -106,22 +106,26 @@ def test_without_a_table_no_gemm_is_priced_past_the_fastest_shape_its_figure_was
     assert _tflops(a100, 8192, 4096, 4096) < best - 10  # a short K pays its epilogue
 
 
-def test_the_a100_is_never_priced_faster_than_a_short_randn_gemm_ran():
-    # A sustained rate is at most a short run's: cuBLAS's 8192^3 in half precision on an A100 through PyTorch, on
-    # torch.randn inputs, ran at 257-258 TFLOP/s (Horace He, thonking.ai, 2024; 295 on zeros, the same kernel under
-    # its power limit). The burst figure the profile had (271.2) priced it at 271; the sustained one at 258
-    assert _tflops(hardware.load("a100-sxm"), 8192, 8192, 8192) <= 258.0 * 1.001
+# A sustained rate is at most a short run's: cuBLAS GEMMs on torch.randn inputs timed briefly on a profile's card, each
+# a bound on the profile's price of that shape (profile, (m, n, k), TFLOP/s).
+# - A100: 8192^3 in half precision through PyTorch, 257-258 (Horace He, thonking.ai, 2024; 295 on zeros, the same
+#   kernel under its power limit); the burst figure the profile had (271.2) priced it at 271, the sustained one at 258.
+# - H100 at 500 W: Meta's FBGEMM PR #2546 ('H100 500W'), bf16, each shape over 100 ms; the 700 W SXM's sustained
+#   fraction (0.753 of the assumed 912 peak, 687), which the profile took before, priced all three 17-25 % faster.
+SHORT_RUNS = [("a100-sxm", (8192, 8192, 8192), 258.0 * 1.001),
+              ("h100-hbm2e-500w", (8192, 8192, 8192), 585.23),
+              ("h100-hbm2e-500w", (65536, 8192, 7168), 575.12),
+              ("h100-hbm2e-500w", (65536, 3584, 8192), 546.31)]
 
 
-def test_the_500w_h100_is_never_priced_faster_than_a_500w_h100_ran_a_short_gemm():
-    # Meta's FBGEMM PR #2546 ('H100 500W'): cuBLAS bf16 on torch.randn inputs, each shape timed over 100 ms. A
-    # sustained rate is at most a short run's. The 700 W SXM's sustained fraction (0.753 of the assumed 912 peak, 687
-    # TFLOP/s), which the profile took before, priced all three 17-25 % faster than they ran
+@pytest.mark.parametrize("profile,shape,ran", SHORT_RUNS)
+def test_no_shape_is_priced_faster_than_a_short_gemm_ran_on_its_card(profile, shape, ran):
+    assert _tflops(hardware.load(profile), *shape) <= ran
+
+
+def test_the_500w_h100s_level_is_the_highest_its_short_runs_allow():
     card = hardware.load("h100-hbm2e-500w")
-    ran = {(8192, 8192, 8192): 585.23, (65536, 8192, 7168): 575.12, (65536, 3584, 8192): 546.31}
-    for shape, tflops in ran.items():
-        assert _tflops(card, *shape) <= tflops, shape
-    # the level is the highest that keeps all three: the slowest of them sets it
+    # the slowest of its short runs sets the level (above: none priced faster)
     assert _tflops(card, 65536, 3584, 8192) == pytest.approx(546.31, rel=1e-3)  # 0.601 would price it 545.3
     assert card.gemm_pace_gpus == 1 and "PR #2546" in card.sources["gemm"]  # one GPU's runs: one chip's pace
 
