@@ -36,6 +36,7 @@ class ForwardState:
         # set by `cpbench.cp.balance.use_balance`
         self.balance = "documents"
         self._last: SequenceLayout | None = None  # the latest forward's layout (what `model.cp_layout` returns)
+        self.layout_of = None  # (input_ids, args, kwargs) -> the layout of a forward of those inputs (wrap_forward)
 
     @contextlib.contextmanager
     def active(self, layout: SequenceLayout):
@@ -101,6 +102,22 @@ def wrap_forward(model, state: ForwardState, group, *, causal_lm: bool):
     if group is not None:  # gather_sequence needs the forward's layout, which follows the batch's documents
         model.cp_layout = state.last_layout
 
+    def given_inputs(input_ids, args: tuple, kwargs: dict) -> dict:
+        """The model's named arguments as given (the mask may come positionally)."""
+        return {**dict(zip(positional, (input_ids, *args))), **{k: v for k, v in kwargs.items() if k in named}}
+
+    def layout_of(input_ids, args: tuple, kwargs: dict) -> SequenceLayout:
+        """The layout of a forward of these full inputs (a loop's own head calls it too: cpbench/cp/loop.py)."""
+        given = given_inputs(input_ids, args, kwargs)
+        tokens = given.get("input_ids") if given.get("input_ids") is not None else kwargs.get("inputs_embeds")
+        seq_len = tokens.shape[1]
+        # position_ids may reach the model through its **kwargs (a multimodal wrapper passes them on to its language
+        # model); documents only where the model's own mask keeps them apart (hf_compat.masks_isolate_documents)
+        positions = given.get("position_ids", kwargs.get("position_ids")) if state.documents else None
+        return state.forward_layout(seq_len, BatchFacts(seq_len, given.get("attention_mask"), positions))
+
+    state.layout_of = layout_of
+
     @functools.wraps(forward)
     def cp_forward(input_ids=None, *args, labels=None, num_items_in_batch=None, **kwargs):
         if group is not None:
@@ -110,14 +127,8 @@ def wrap_forward(model, state: ForwardState, group, *, causal_lm: bool):
         return_dict = kwargs.pop("return_dict", None)
         kwargs.update(use_cache=False, return_dict=True)
         tokens = input_ids if input_ids is not None else kwargs.get("inputs_embeds")
-        seq_len = tokens.shape[1]
-        # the model's named arguments as given (the mask may come positionally)
-        given = {**dict(zip(positional, (input_ids, *args))), **{k: v for k, v in kwargs.items() if k in named}}
-        # position_ids may reach the model through its **kwargs (a multimodal wrapper passes them on to its language
-        # model); documents only where the model's own mask keeps them apart (hf_compat.masks_isolate_documents)
-        positions = given.get("position_ids", kwargs.get("position_ids")) if state.documents else None
-        facts = BatchFacts(seq_len, given.get("attention_mask"), positions)
-        layout = state.forward_layout(seq_len, facts)
+        given = given_inputs(input_ids, args, kwargs)
+        layout = layout_of(input_ids, args, kwargs)
         head = HeadInput(model, state.loss) if causal_lm and labels is not None and state.loss != "full" else None
         aux = router_aux(model, kwargs) if causal_lm else None  # turns the family's own (local) aux loss off
         router = RouterCapture(model) if aux is not None else None
