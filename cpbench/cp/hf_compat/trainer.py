@@ -37,6 +37,8 @@ import importlib.util
 import inspect
 import sys
 
+import torch
+
 _ORIGINAL = {}
 
 
@@ -107,12 +109,21 @@ def adapt(trainer, loop) -> None:
 
 def _with_mesh(accelerator, prepare, mesh):
     @functools.wraps(prepare)
-    def prepare_data_loader(*args, **kwargs):
+    def prepare_data_loader(data_loader, *args, **kwargs):
+        dispatch = accelerator.dispatch_batches
+        if dispatch is None:  # accelerate's default: dispatch an iterable dataset's batches from the first process
+            dispatch = isinstance(data_loader.dataset, torch.utils.data.IterableDataset)
+        if dispatch:
+            raise ValueError(
+                "accelerate's dispatch_batches (the default for an iterable dataset) slices each batch over every "
+                "process, which would give the ranks of a cp group different sequences. Pass "
+                "TrainingArguments(accelerator_config={'dispatch_batches': False}): each data-parallel rank then "
+                "reads its own share of the stream, and the ranks of a cp group the same one.")
         state = accelerator.state
         before = state.device_mesh
         state.device_mesh = mesh
         try:
-            return prepare(*args, **kwargs)
+            return prepare(data_loader, *args, **kwargs)
         finally:
             state.device_mesh = before
 
