@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from cpbench.cp.checkpoint import has_state, load_state, save_state  # noqa: F401 - the loops' checkpoints
 from cpbench.cp.layout import SequenceLayout, gather_sequence
 from cpbench.cp.loss.causal_lm import IGNORE_INDEX, shift_and_cut_labels
 

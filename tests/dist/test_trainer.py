@@ -126,3 +126,24 @@ def test_an_iterable_dataset_is_read_per_data_parallel_rank(model_dir, tmp_path,
     ref = spawn(w.train, 1, model_dir, {**spec, "cp": 1}, str(tmp_path / "ref"))[0]
     for result in spawn(w.train, 2, model_dir, spec, str(tmp_path / "cp")):
         check_same_run(result, ref)
+
+
+def _resume_case(spawn, model_dir, tmp_path, resumed_spec, world):
+    # the curve of an uninterrupted unsharded run; a cp 2 run that checkpoints every 2 steps; the same run resumed
+    # from its step-2 checkpoint on another mesh: its steps 3 and 4 continue the unsharded curve
+    ref = spawn(w.train, 1, model_dir, {"cp": 1, "steps": 4}, str(tmp_path / "ref"))[0]
+    first = spawn(w.train, 2, model_dir, {"cp": 2, "steps": 4, "save_steps": 2}, str(tmp_path / "first"))
+    check_same_run(first[0], ref)
+    resume = {**resumed_spec, "steps": 4, "resume": str(tmp_path / "first" / "checkpoint-2")}
+    for result in spawn(w.train, world, model_dir, resume, str(tmp_path / "resumed")):
+        assert result["steps_run"] == 2  # it resumed: steps 1 and 2 came from the checkpoint
+        check_same_run(result, ref)
+
+
+def test_resume_at_another_cp_size_continues_the_curve(model_dir, tmp_path, spawn):
+    _resume_case(spawn, model_dir, tmp_path, {"cp": 4}, 4)
+
+
+@pytest.mark.heavy
+def test_resume_at_another_fsdp_size_continues_the_curve(model_dir, tmp_path, spawn):
+    _resume_case(spawn, model_dir, tmp_path, {"cp": 2, "fsdp": 2, "batch": 1}, 4)

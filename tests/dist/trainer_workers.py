@@ -52,7 +52,8 @@ def _args(spec: dict, out: str) -> dict:
     per_device = spec.get("batch", 2) * (spec.get("dp", 1) if spec["cp"] == 1 else 1)
     return dict(output_dir=out, per_device_train_batch_size=per_device, per_device_eval_batch_size=per_device,
                 gradient_accumulation_steps=spec.get("ga", 1), max_steps=spec.get("steps", 3), logging_steps=1,
-                learning_rate=1e-2, lr_scheduler_type="constant", report_to=[], save_strategy="no", use_cpu=True,
+                learning_rate=1e-2, lr_scheduler_type="constant", report_to=[], use_cpu=True,
+                save_strategy="steps" if spec.get("save_steps") else "no", save_steps=spec.get("save_steps") or 500,
                 seed=0, include_num_input_tokens_seen="all", dataloader_drop_last=True, bf16=False,
                 accelerator_config={"dispatch_batches": spec.get("dispatch")})
 
@@ -72,8 +73,10 @@ def train(path: str, spec: dict, out: str) -> dict:
 
         data = lm_dataset().to_iterable_dataset() if spec.get("iterable") else lm_dataset()
         trainer = Trainer(model=model, args=TrainingArguments(**_args(spec, out)), train_dataset=data)
-    trainer.train()
-    result = {"log": trainer.state.log_history, "tokens": trainer.state.num_input_tokens_seen}
+    steps_run = _StepCounter()
+    trainer.add_callback(steps_run)
+    trainer.train(resume_from_checkpoint=spec.get("resume"))
+    result = {"log": trainer.state.log_history, "tokens": trainer.state.num_input_tokens_seen, "steps_run": steps_run.n}
     if spec.get("evaluate"):
         result["eval"] = trainer.evaluate(lm_dataset(rows=6, seq_len=24, seed=1))
     if spec.get("predict"):
@@ -83,6 +86,21 @@ def train(path: str, spec: dict, out: str) -> dict:
         trainer.save_model(spec["save"])
     result["rank"] = int(os.environ.get("RANK", 0))
     return result
+
+
+class _StepCounter:
+    """A TrainerCallback (duck-typed: transformers calls the events it has) counting this process's optimizer steps."""
+
+    def __init__(self):
+        self.n = 0
+
+    def __getattr__(self, event):
+        if not event.startswith("on_"):
+            raise AttributeError(event)
+        return lambda *args, **kwargs: None
+
+    def on_step_end(self, *args, **kwargs):
+        self.n += 1
 
 
 def save_tokenizer(path) -> None:

@@ -35,6 +35,7 @@ import functools
 import importlib.abc
 import importlib.util
 import inspect
+import os
 import sys
 
 import torch
@@ -77,6 +78,11 @@ def refuse_settings(args, accelerator=None) -> None:
         raise ValueError(
             f"TrainingArguments({which}=...) would shard a model that cpbench's DistributedConfig sharded at load time "
             f"(FSDP2 over fsdp x cp). Drop `{which}` and set DistributedConfig(fsdp_size=...) for parameter sharding.")
+    if getattr(args, "load_best_model_at_end", False):
+        raise ValueError(
+            "load_best_model_at_end=True reloads the best checkpoint's gathered weights into one process's "
+            "parameters, which cpbench's FSDP2 shards over fsdp x cp. Leave it off and load the best checkpoint "
+            "(trainer.state.best_model_checkpoint) with from_pretrained(..., distributed_config=...) after training.")
     if getattr(args, "train_sampling_strategy", None) == "batch_rebalance":
         raise ValueError(
             "train_sampling_strategy='batch_rebalance' deals batches by world rank, which would give the ranks of a "
@@ -105,6 +111,34 @@ def adapt(trainer, loop) -> None:
     trainer.prediction_step = whole_prediction_step
     for name, counter in (("_track_num_input_tokens", "num_input_tokens_seen"), ("store_flos", "total_flos")):
         setattr(trainer, name, _once_per_group(trainer, getattr(trainer, name), counter, share.share))
+    _resumable(trainer, loop)
+
+
+def _resumable(trainer, loop) -> None:
+    """Point 8: checkpoints that resume. Trainer writes the gathered weights (`save_model`) and, here, the sharded
+    weights and optimizer state (`loop.save_state`, which reshards on load); it reads them back into a model of any
+    mesh in place of its own, which load a whole state dict into one process's parameters."""
+    from transformers.trainer import SCHEDULER_NAME
+
+    def save_optimizer_and_scheduler(output_dir):
+        loop.save_state(trainer.model, trainer.optimizer, output_dir)
+        if trainer.args.should_save:
+            torch.save(trainer.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+    def load_from_checkpoint(checkpoint, model=None):
+        loop.load_state(model if model is not None else trainer.model, None, checkpoint)
+
+    def load_optimizer_and_scheduler(checkpoint):
+        if checkpoint is None:
+            return
+        loop.load_state(trainer.model, trainer.optimizer, checkpoint)
+        schedule = os.path.join(checkpoint, SCHEDULER_NAME)
+        if os.path.isfile(schedule):
+            trainer.lr_scheduler.load_state_dict(torch.load(schedule, weights_only=True))
+
+    trainer._save_optimizer_and_scheduler = save_optimizer_and_scheduler
+    trainer._load_from_checkpoint = load_from_checkpoint
+    trainer._load_optimizer_and_scheduler = load_optimizer_and_scheduler
 
 
 def _with_mesh(accelerator, prepare, mesh):
@@ -228,11 +262,21 @@ def _wrap_init(trainer_cls, loop) -> None:
     def __init__(self, *args, **kwargs):
         bound = signature.bind_partial(self, *args, **kwargs).arguments
         cp = loop.cp_config(bound.get("model")) is not None
-        if cp:
-            refuse_settings(bound.get("args"))
-            _wrap_fused_head(loop)
-        init(self, *args, **kwargs)
-        if cp:
-            adapt(self, loop)
+        train_args = bound.get("args")
+        if not cp:
+            return init(self, *args, **kwargs)
+        refuse_settings(train_args)
+        _wrap_fused_head(loop)
+        # Trainer refuses checkpoints of a model sharded at load time unless they hold the weights only, since it
+        # cannot write such a model's optimizer state; cpbench writes it (point 8).
+        whole = train_args is not None and not train_args.save_only_model
+        if whole:
+            train_args.save_only_model = True
+        try:
+            init(self, *args, **kwargs)
+        finally:
+            if whole:
+                train_args.save_only_model = False
+        adapt(self, loop)
 
     trainer_cls.__init__ = __init__
