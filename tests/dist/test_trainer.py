@@ -115,6 +115,7 @@ def test_matrix_styles(model_dir, tmp_path, spawn, style, loop):
             assert result["eval"]["eval_loss"] == pytest.approx(ref["eval"]["eval_loss"], rel=LATER_RTOL)
 
 
+@pytest.mark.heavy
 def test_an_iterable_dataset_is_read_per_data_parallel_rank(model_dir, tmp_path, spawn):
     # accelerate dispatches an iterable dataset's batches over every process by default: refused, naming the fix
     from tests.spawn import RankFailure

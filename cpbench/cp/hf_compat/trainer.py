@@ -10,8 +10,11 @@ Trainer whose model runs CP (every other Trainer is untouched):
 1. `Trainer.__init__` (wrapped, the only class-level change): settings that cannot be right with cpbench's CP are
    refused before anything runs: accelerate's own context or sequence parallelism (`ParallelismConfig(cp_size=...,
    sp_size=...)`, torch's ring CP and DeepSpeed's Ulysses: a second split of a sequence cpbench already splits),
-   DeepSpeed and Trainer's `fsdp` (a second sharding of a model `DistributedConfig` sharded at load time), and the
-   `batch_rebalance` sampler (which deals batches by world rank). Then the instance is adapted (`adapt`):
+   DeepSpeed and Trainer's `fsdp` (a second sharding of a model `DistributedConfig` sharded at load time), the
+   `batch_rebalance` sampler (which deals batches by world rank), `load_best_model_at_end` (it loads gathered weights
+   into unsharded parameters). Trainer's own refusal of checkpoints that hold more than the weights (it cannot write
+   the optimizer state of a model sharded at load time) is passed by (`save_only_model` set for its __init__ only),
+   since point 8 writes it. Then the instance is adapted (`adapt`):
 2. `get_tp_size()` counts the ranks that share a batch: tp x cp.
 3. Data loaders: accelerate's `prepare_data_loader` shards by its `torch_device_mesh` when it has one, dealing the
    same batch to the ranks of its `tp` and `cp` axes (`process_index // (tp * cp)` of `dp_replicate x dp_shard`
@@ -25,6 +28,11 @@ Trainer whose model runs CP (every other Trainer is untouched):
 7. TRL: `trl.trainer.sft_trainer.add_fused_lm_head` (the module's name for it, found once TRL is imported) is wrapped:
    on a CP model, the fused head's forward goes through `loop.fused_head_forward`, which hands it this rank's labels
    and returns its per-token outputs in the whole sequence's order.
+8. Checkpoints: `_save_optimizer_and_scheduler`, `_load_from_checkpoint` and `_load_optimizer_and_scheduler` write and
+   read the sharded weights and optimizer state with torch's distributed checkpoint (`loop.save_state`, at any mesh)
+   and the scheduler as Trainer does (`SCHEDULER_NAME`); `save_model` writes the gathered weights as before.
+   Accelerate's dispatched data loaders (`dispatch_batches`, its default for iterable datasets) are refused with the
+   fix: they slice batches over every process.
 
 `install_loops(loop)`: `loop` is cpbench.cp.loop, handed in (it imports the CP core, which imports this package).
 """
