@@ -139,3 +139,24 @@ def test_gradient_clipping_reaches_the_points_and_their_names_and_is_checked():
             'cp_sizes = [1, 2]\ncp_styles = ["cp_ulysses"]\nmax_grad_norm = 1.0\n')
     with pytest.raises(SuiteErrors, match="`max_grad_norm` = 1.0: is a model-level setting"):
         load_suite("t.toml", text=text)
+
+
+def test_the_loop_reaches_the_points_and_their_names_and_is_checked():
+    own, trainer = _suite("").points()[1], _suite('loop = "trainer"\n').points()[1]
+    assert (own.loop, trainer.loop) == ("own", "trainer")
+    assert trainer.point_id == own.point_id + "/trainer-loop"
+    # a point of cpbench's own loop keeps the key it had before the field existed (its baselines, its cache)
+    assert trainer.point_key != own.point_key and _suite('loop = "own"\n').points()[1] == own
+    with pytest.raises(SuiteErrors) as wrong:
+        _suite('loop = "trainers"\nkeep_outputs = true\nnorm = "fast"\n')
+    assert "`loop` = 'trainers'" in str(wrong.value) and "'own', 'trainer'" in str(wrong.value)
+    assert "`norm`" in str(wrong.value)  # every mistake at once
+    with pytest.raises(SuiteErrors, match="`keep_outputs` = True: keeps the whole output .* loop = \"trainer\""):
+        _suite('loop = "trainer"\nkeep_outputs = true\n')
+
+
+def test_a_projection_refuses_the_trainer_loop_naming_sweep():
+    from cpbench.harness.project.estimate import EstimateOptions, run_estimate
+
+    with pytest.raises(ValueError, match="measured only.*cpbench sweep"):
+        run_estimate(EstimateOptions(suite=_suite('loop = "trainer"\n'), out="unused"))

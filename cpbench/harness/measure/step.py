@@ -144,7 +144,8 @@ def make_optimizer(model: torch.nn.Module, point: Point) -> torch.optim.Optimize
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=foreach)
-    if point.max_grad_norm:  # a training loop's clip_grad_norm_ right before each optimizer.step(), as its first hook
+    # a training loop's clip_grad_norm_ right before each optimizer.step(), as its first hook (Trainer clips itself)
+    if point.max_grad_norm and point.loop == "own":
         params = list(model.parameters())
 
         def clip(*_) -> None:

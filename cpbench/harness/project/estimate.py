@@ -110,6 +110,10 @@ def capacity_of(opts: EstimateOptions, suite: Suite, hardware=None) -> int | Non
 def run_estimate(opts: EstimateOptions, on_row=None) -> Path:
     """Projects a suite (or, with `max_seq`, searches its largest lengths); returns the run folder."""
     suite = opts.suite if isinstance(opts.suite, Suite) else resolve_suite(opts.suite)
+    if suite.loop != "own":
+        raise ValueError(f"suite {suite.name!r}: loop = {suite.loop!r} is measured only (a projection runs cpbench's own "
+                         "step on fake tensors, which Trainer's data loading cannot feed): `cpbench sweep` the suite, "
+                         "or drop `loop` to project the same step.")
     hardware = load_hardware(opts.gpu) if opts.gpu else None
     if opts.sdpa_kernel is not None:
         if hardware is None or opts.sdpa_kernel not in SDPA_KERNELS:

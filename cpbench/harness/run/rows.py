@@ -29,7 +29,7 @@ def base_row(point: Point, *, run_id: str, env: dict, budget: int | None, measur
         "world_size", "attn_implementation", "cp_style", "dtype", "device", "warmup_steps", "measured_steps",
         "keep_outputs", "loss_mode", "activation_checkpointing", "mixed_precision", "parity_mode", "level",
         "implementation", "cp_ulysses_degree", "recompute_every_n_layers", "offload_activations", "offload_params",
-        "tiled_mlp", "documents", "compile", "balance", "recompute_policy", "norm", "optimizer", "max_grad_norm",
+        "tiled_mlp", "documents", "compile", "balance", "recompute_policy", "norm", "optimizer", "max_grad_norm", "loop",
     )}
     config = get_preset(point.preset).config(point.model_overrides)
     if point.level == "attention":

@@ -32,6 +32,7 @@ from cpbench.harness.measure.capture import capture
 from cpbench.harness.measure.compiled import CompileCounters, compile_layers, first_step
 from cpbench.harness.measure.probes import StepTimer, memory_probe, reset_rss_peak, rss_peak_bytes
 from cpbench.harness.measure.reference import reference_phase
+from cpbench.harness.measure.trainer_loop import trainer_steps
 from cpbench.harness.peers.attention_level import run_attention_point
 from cpbench.harness.run.guard import die_with_parent
 from cpbench.harness.suite.spec import Point
@@ -118,13 +119,16 @@ def measure_point(point: Point, *, rank: int, device, budget: int | None) -> tup
         torch.cuda.empty_cache()  # what the failed capture held
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    comm = step.tracked_steps(point, model, optimizer, batch, probe)  # memory: identical steps (probes.py)
     timer = StepTimer(point.device)
-    for _ in range(point.measured_steps):
-        if point.world_size > 1:
-            dist.barrier()  # the step times of the ranks start together
-        with timer.step():
-            step.train_step(model, optimizer, batch, point.keep_outputs)
+    if point.loop == "trainer":  # the same steps, driven by transformers' Trainer
+        comm = trainer_steps(point, model, optimizer, batch, probe, timer)
+    else:
+        comm = step.tracked_steps(point, model, optimizer, batch, probe)  # memory: identical steps (probes.py)
+        for _ in range(point.measured_steps):
+            if point.world_size > 1:
+                dist.barrier()  # the step times of the ranks start together
+            with timer.step():
+                step.train_step(model, optimizer, batch, point.keep_outputs)
     record = {"rank": rank, "status": "ok", **probe.result(), **comm, "rss_peak_bytes": rss_peak_bytes(),
               "step_times_s": timer.times_s, "num_params": num_params, "model_type": model.config.model_type,
               "parity_mode": mode, "layout": getattr(getattr(model, "cp_resolved_plan", None), "layout", None),

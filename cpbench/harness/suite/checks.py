@@ -78,7 +78,7 @@ def _check_implementations(suite) -> None:
                       "activation_checkpointing": (False, suite.activation_checkpointing),
                       "offload_params": (False, suite.offload_params), "tiled_mlp": (False, suite.tiled_mlp),
                       "norm": ("eager", suite.norm), "optimizer": ("foreach", suite.optimizer),
-                      "max_grad_norm": (0.0, suite.max_grad_norm),
+                      "max_grad_norm": (0.0, suite.max_grad_norm), "loop": ("own", suite.loop),
                       "mixed_precision": (False, suite.mixed_precision), "keep_outputs": (False, suite.keep_outputs),
                       "fsdp_size": (1, suite.fsdp_size), "dp_replicate_size": (1, suite.dp_replicate_size)}
         for name, (default, value) in model_only.items():
@@ -160,6 +160,7 @@ _SCALARS = {  # field -> (check, what to write)
     "mixed_precision": (lambda v: isinstance(v, bool), "true or false"),
     "norm": (lambda v: isinstance(v, str), 'a string, e.g. norm = "fused"'),
     "optimizer": (lambda v: isinstance(v, str), 'a string, e.g. optimizer = "fused"'),
+    "loop": (lambda v: isinstance(v, str), 'a string, e.g. loop = "trainer"'),
     "max_grad_norm": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
                       and v >= 0, "a finite number >= 0, e.g. max_grad_norm = 1.0 (0: no clipping)"),
     "parity": (lambda v: isinstance(v, str), 'a string, e.g. parity = "auto"'),

@@ -10,6 +10,7 @@ from cpbench.harness.suite.suite_errors import Collector, err
 TILED_MLP_AUTO = "auto"
 # torch's AdamW as a point steps with it: "foreach" (torch's default) or "fused" (AdamW(fused=True))
 OPTIMIZERS = ("foreach", "fused")
+LOOPS = ("own", "trainer")  # what drives the step: cpbench's loop, or transformers' Trainer (measure/trainer_loop.py)
 # torch.compile's modes; a suite's `compile` is false / "off", true / "on" (torch's default mode) or one of them
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
@@ -84,6 +85,13 @@ def check_levers(suite) -> None:
         found.errors.append(str(err("optimizer", suite.optimizer, f"must be one of {', '.join(map(repr, OPTIMIZERS))}"
                                     ": torch's AdamW as it picks (foreach) or AdamW(fused=True), one kernel over "
                                     "every parameter.")))
+    if suite.loop not in LOOPS:
+        found.errors.append(str(err("loop", suite.loop, f"must be one of {', '.join(map(repr, LOOPS))}: 'own' is "
+                                    "cpbench's loop, 'trainer' drives the same step with transformers' Trainer.")))
+    elif suite.loop == "trainer" and suite.keep_outputs:
+        found.errors.append(str(err("keep_outputs", True, "keeps the whole output through backward, which Trainer "
+                                    "never does (it keeps the loss): set keep_outputs = false with loop = "
+                                    "\"trainer\".")))
     mode = suite.compile
     if not (isinstance(mode, bool) or mode in ("off", "on", *COMPILE_MODES)):
         found.errors.append(str(err("compile", mode, f"must be true, false, \"on\", \"off\" or a torch.compile mode "

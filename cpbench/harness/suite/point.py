@@ -43,6 +43,7 @@ class Point:
     norm: str = "eager"
     optimizer: str = "foreach"  # torch's AdamW: foreach (its default) | fused (Suite.optimizer)
     max_grad_norm: float = 0.0  # > 0: the gradients clipped to this global norm before each optimizer step
+    loop: str = "own"  # what drives the step: cpbench's own loop | transformers' Trainer (Suite.loop)
     mixed_precision: bool = False
     parity_mode: str
     reference: str = "auto"
@@ -92,6 +93,8 @@ class Point:
             parts.append(f"{self.optimizer}-adamw")
         if self.max_grad_norm:
             parts.append(f"clip{self.max_grad_norm:g}")
+        if self.loop != "own":
+            parts.append(f"{self.loop}-loop")
         if self.compile != "off":
             parts.append("compiled" + ("" if self.compile == "default" else f"-{self.compile}"))
         if self.mixed_precision:

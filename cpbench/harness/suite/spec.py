@@ -59,6 +59,9 @@ class Suite:
     # > 0: every step clips the gradients' global norm to it before the optimizer step (torch.nn.utils.clip_grad_norm_,
     # as transformers' Trainer and torchtitan do by default at 1.0); 0: no clipping (Trainer's "off")
     max_grad_norm: float = 0.0
+    # What drives the tracked and timed steps: "own" (cpbench's loop, step.train_step) or "trainer" (transformers'
+    # Trainer.train(), measure/trainer_loop.py): Trainer's overhead is then a row like any other. Measured runs only.
+    loop: str = "own"
     tiled_mlp: bool | int | str = False  # true / "auto" / a tile count: each layer's MLP over tiles of the sequence
     # FSDP2's mixed precision: fp32 weights, gradients and optimizer state (the master copy), compute in `dtype`
     # (bfloat16), gradients reduced in fp32 (transformers' `fsdp_mixed_precision`). Needs FSDP: world_size > 1.
@@ -200,7 +203,7 @@ def _point(suite: Suite, model: str, cp: int, attn: str, style: str, seq_len: in
         recompute_policy=suite.recompute_policy if suite.activation_checkpointing else "full",
         offload_activations=suite.offload_activations, offload_params=suite.offload_params and world > 1,
         tiled_mlp=tiled_mlp_tiles(suite.tiled_mlp), norm=suite.norm, optimizer=suite.optimizer,
-        max_grad_norm=float(suite.max_grad_norm), compile=compile_mode(suite.compile),
+        max_grad_norm=float(suite.max_grad_norm), loop=suite.loop, compile=compile_mode(suite.compile),
         parity_mode=suite.parity, reference=suite.reference, timeout_s=float(suite.timeout_s),
         seed=suite.seed, level=suite.level, implementation=impl,
         cp_ulysses_degree=suite.cp_ulysses_degree if style == "cp_usp" else 1, cp_plan=dict(suite.cp_plan),

@@ -51,6 +51,7 @@ KEY_VALUES = {
     "norm": ("eager", "fused"),
     "optimizer": ("foreach", "fused"),
     "max_grad_norm": (0.0, 1.0),
+    "loop": ("own", "trainer"),
     "offload_activations": (False, True),
     "offload_params": (False, True),
     "tiled_mlp": ("off", "auto", "4"),

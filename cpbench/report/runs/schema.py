@@ -34,7 +34,9 @@ import pyarrow as pa
 #     ran transformers' eager norm).
 # 15: which AdamW a point steps with (`optimizer`: foreach or fused) and the norm its gradients are clipped to first
 #     (`max_grad_norm`, 0: none), which identify a point (an older file's rows ran torch's default, foreach, unclipped).
-SCHEMA_VERSION = 15
+# 16: what drives the step (`loop`: cpbench's own loop, or transformers' Trainer), which identifies a point (an older
+#     file's rows ran cpbench's own loop).
+SCHEMA_VERSION = 16
 MEASUREMENTS = ("measured", "projected")
 
 STATUSES = ("ok", "oom", "error", "timeout", "skipped")
@@ -84,6 +86,8 @@ COLUMNS: dict[str, tuple[pa.DataType, str]] = {
                   "kernel over every parameter: AdamW(fused=True))"),
     "max_grad_norm": (pa.float64(), "the global norm the gradients are clipped to before each optimizer step "
                       "(torch.nn.utils.clip_grad_norm_); 0: not clipped"),
+    "loop": (pa.string(), "what drives the step: own (cpbench's loop: model(**batch).loss.backward(), "
+             "optimizer.step()) | trainer (transformers' Trainer.train(), its clipping and scheduler included)"),
     "documents": (pa.string(), "the packed documents of each row: none (batch_kind says plain, packed or padded as "
                   "before), a shipped mix's name, or lengths:<hash> for lengths given (spec_json holds them)"),
     "balance": (pa.string(), "the zigzag ring's placement (cp_ring_zigzag, cp_usp): documents (each rank the same "
@@ -234,14 +238,15 @@ _V12 = ("projected_attention_s",)
 ADDED_IN = {8: [name for name in COLUMNS if (name == "gpu_profile" or name.startswith("projected_"))
                 and name not in _V9 + _V11 + _V12],
             9: list(_V9), 10: ["balance"], 11: list(_V11), 12: list(_V12), 13: ["recompute_policy"],
-            14: ["norm"], 15: ["optimizer", "max_grad_norm"]}
+            14: ["norm"], 15: ["optimizer", "max_grad_norm"], 16: ["loop"]}
 # version -> the columns added after it (a file of that version is read with them null, or with DEFAULTS)
 ADDED_SINCE = {v: [name for later, names in ADDED_IN.items() if later > v for name in names]
                for v in range(7, SCHEMA_VERSION)}
 # What an older file's rows had, for the added columns that identify a point: no documents, no compile, the zigzag
-# balanced by documents, whole layers recomputed, the eager norm, torch's default AdamW, no clipping.
+# balanced by documents, whole layers recomputed, the eager norm, torch's default AdamW, no clipping, cpbench's own
+# loop.
 DEFAULTS = {"documents": "none", "compile": "off", "balance": "documents", "recompute_policy": "full",
-            "norm": "eager", "optimizer": "foreach", "max_grad_norm": 0.0}
+            "norm": "eager", "optimizer": "foreach", "max_grad_norm": 0.0, "loop": "own"}
 
 ARROW_SCHEMA = pa.schema(
     [pa.field(name, typ) for name, (typ, _) in COLUMNS.items()],
@@ -254,7 +259,7 @@ KEY_COLUMNS = (
     "attn_implementation", "cp_style", "dtype", "device", "keep_outputs", "loss_mode", "activation_checkpointing",
     "mixed_precision", "level", "implementation", "cp_ulysses_degree", "recompute_every_n_layers",
     "offload_activations", "offload_params", "tiled_mlp", "documents", "compile", "balance", "recompute_policy", "norm",
-    "optimizer", "max_grad_norm",
+    "optimizer", "max_grad_norm", "loop",
 )
 
 
