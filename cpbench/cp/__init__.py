@@ -1,7 +1,7 @@
 """Context parallelism for Hugging Face transformers models (docs/DESIGN.md: the modules of cp/ and every touch point
 with transformers)."""
 
-from cpbench.cp import apply, hf_compat, loop
+from cpbench.cp import apply, hf_compat, loops
 from cpbench.cp.hf_compat.trainer import install_loops
 from cpbench.cp.apply import parallelize, use_loss
 from cpbench.cp.balance import use_balance
@@ -26,7 +26,7 @@ register_attention_style("cp_ring_zigzag", ring_attention, layout="zigzag", impl
 register_attention_style("cp_usp", usp_attention, layout="zigzag", implementations=RING_IMPLEMENTATIONS,
                          check=check_usp, replace=True, model_mask=False)
 hf_compat.install(apply)
-install_loops(loop)  # transformers' Trainer and TRL's SFTTrainer with a CP model (hf_compat/trainer.py)
+install_loops(loops)  # transformers' Trainer and TRL's SFTTrainer with a CP model (hf_compat/trainer.py)
 
 __all__ = [
     "DEFAULT_BASE_MODEL_CP_PLAN",

@@ -107,7 +107,7 @@ def wrap_forward(model, state: ForwardState, group, *, causal_lm: bool):
         return {**dict(zip(positional, (input_ids, *args))), **{k: v for k, v in kwargs.items() if k in named}}
 
     def layout_of(input_ids, args: tuple, kwargs: dict) -> SequenceLayout:
-        """The layout of a forward of these full inputs (a loop's own head calls it too: cpbench/cp/loop.py)."""
+        """The layout of a forward of these full inputs (a loop's own head calls it too: cpbench/cp/loops/outputs.py)."""
         given = given_inputs(input_ids, args, kwargs)
         tokens = given.get("input_ids") if given.get("input_ids") is not None else kwargs.get("inputs_embeds")
         seq_len = tokens.shape[1]

@@ -146,5 +146,17 @@ def test_resume_at_another_cp_size_continues_the_curve(model_dir, tmp_path, spaw
 
 
 @pytest.mark.heavy
-def test_resume_at_another_fsdp_size_continues_the_curve(model_dir, tmp_path, spawn):
-    _resume_case(spawn, model_dir, tmp_path, {"cp": 2, "fsdp": 2, "batch": 1}, 4)
+@pytest.mark.parametrize("resumed, world", [({"cp": 2}, 2), ({"cp": 2, "fsdp": 2, "batch": 1}, 4)],
+                         ids=["same-mesh", "fsdp2-cp2"])
+def test_resume_on_the_same_or_another_mesh_continues_the_curve(model_dir, tmp_path, spawn, resumed, world):
+    _resume_case(spawn, model_dir, tmp_path, resumed, world)
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("style", ["cp_ulysses", "cp_ring", "cp_ring_zigzag"])
+def test_fsdp2_cp2_with_accumulation_for_every_style(model_dir, tmp_path, spawn, style):
+    spec = {"cp": 2, "fsdp": 2, "dp": 2, "ga": 2, "style": style, "evaluate": True}
+    ref = spawn(w.train, 1, model_dir, {**spec, "cp": 1}, str(tmp_path / "ref"))[0]
+    for result in spawn(w.train, 4, model_dir, spec, str(tmp_path / "cp")):
+        check_same_run(result, ref)
+        assert result["eval"]["eval_loss"] == pytest.approx(ref["eval"]["eval_loss"], rel=LATER_RTOL)

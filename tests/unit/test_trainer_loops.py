@@ -11,7 +11,7 @@ import torch
 
 
 class _CPStandIn(torch.nn.Linear):
-    """What cpbench.cp.loop reads of a CP model: its cp group and its DistributedConfig's cp_size."""
+    """What cpbench.cp.loops reads of a CP model: its cp group and its DistributedConfig's cp_size."""
 
     def __init__(self):
         super().__init__(2, 2)

@@ -34,7 +34,8 @@ Trainer whose model runs CP (every other Trainer is untouched):
    Accelerate's dispatched data loaders (`dispatch_batches`, its default for iterable datasets) are refused with the
    fix: they slice batches over every process.
 
-`install_loops(loop)`: `loop` is cpbench.cp.loop, handed in (it imports the CP core, which imports this package).
+`install_loops(loop)`: `loop` is the package cpbench.cp.loops, handed in (it imports the CP core, which imports this
+package).
 """
 
 from __future__ import annotations

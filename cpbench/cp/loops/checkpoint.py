@@ -4,9 +4,8 @@ torch's distributed checkpoint (DCP) by every rank.
 FSDP2 keeps each parameter, and its optimizer state, as a DTensor sharded over `fsdp x cp`. DCP writes each shard
 with its place in the whole tensor, and reads into whatever sharding the loading model has, so a checkpoint written at
 cp 2 resumes at cp 4, or at fsdp 2 x cp 2. The gathered weights that `save_pretrained` writes (which load without
-cpbench) are the model's export, not its training state: transformers' Trainer writes them beside this.
-
-May import torch; the model and optimizer are handed in.
+cpbench) are the model's export, not its training state: transformers' Trainer writes them beside this. The model
+and optimizer are handed in.
 """
 
 from __future__ import annotations

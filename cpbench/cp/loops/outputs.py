@@ -1,13 +1,5 @@
-"""A CP model inside the training loops people run (transformers' Trainer, TRL's SFTTrainer): the CP side.
-
-The loops' touch points are in `hf_compat/trainer.py`, which is handed this module. What a loop must know of a CP
-model is one fact: the ranks of a cp group share one batch, and each of them holds the whole sequences' loss, as
-the ranks of a tensor-parallel group do. So a loop shards its data over the data-parallel ranks only, counts each
-token once per cp group, and keeps one copy of what a cp group reports. What a loop reads per token (logits, TRL's
-per-token log-probabilities) comes back in the whole sequence's order, the same on every rank of the group.
-
-May import torch and the CP core (forward state, layout, loss); never transformers' Trainer, TRL or accelerate.
-"""
+"""What a loop reads of a CP model: how its ranks share batches, and its per-token outputs (logits, TRL's fused LM
+head's log-probabilities) in the whole sequence's order, the same on every rank of a cp group."""
 
 from __future__ import annotations
 
@@ -16,7 +8,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from cpbench.cp.checkpoint import has_state, load_state, save_state  # noqa: F401 - the loops' checkpoints
 from cpbench.cp.layout import SequenceLayout, gather_sequence
 from cpbench.cp.loss.causal_lm import IGNORE_INDEX, shift_and_cut_labels
 
