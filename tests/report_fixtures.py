@@ -62,7 +62,7 @@ def _row(rng, backend, cp, style, seq_len, oom_cp1_at, steps, noise, run_id) -> 
             "level": "model", "implementation": "cpbench", "cp_ulysses_degree": 1, "recompute_every_n_layers": 1,
             "offload_activations": False, "offload_params": False, "tiled_mlp": "off", "documents": "none",
             "compile": "off", "balance": "documents", "recompute_policy": "full",
-            "norm": "eager", "optimizer": "foreach", "max_grad_norm": 0.0}
+            "norm": "eager", "optimizer": "foreach", "max_grad_norm": 0.0, "loop": "own"}
     row = {name: None for name in ARROW_SCHEMA.names}
     row.update(spec)
     row.update(_identity(spec, run_id, steps))
