@@ -99,8 +99,9 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 240.0, **kwargs) -> l
 # Ranks start from a fork server that has imported these once, not from a fresh interpreter each: importing
 # torch and transformers is seconds of CPU per rank, paid by every spawn of every multi-rank test otherwise.
 # The server is a clean process (it imports, it runs nothing, no thread pool exists yet), so a fork of it is as
-# fresh as a spawn; cpbench itself is not preloaded (its import-time patching is under test).
-PRELOAD = ["torch", "torch.distributed", "transformers", "transformers.modeling_utils",
+# fresh as a spawn; cpbench itself is not preloaded (its import-time patching is under test). transformers.trainer is
+# (the Trainer tests' ranks import it; cpbench wraps Trainer whether it was imported before or after cpbench).
+PRELOAD = ["torch", "torch.distributed", "transformers", "transformers.modeling_utils", "transformers.trainer",
            *(f"transformers.models.{m}.modeling_{m}" for m in ("llama", "qwen3", "mistral", "gemma3"))]
 
 

@@ -49,6 +49,7 @@ def _loop(name: str, tmp_path: Path) -> tuple[dict, dict]:
     return _run(script, model, tmp_path / "cp", 2), _run(script, model, tmp_path / "ref", 1)
 
 
+@pytest.mark.heavy  # the same loop as tests/dist/test_trainer.py's light cases, through torchrun and the guide's text
 def test_the_guides_trainer_script(tmp_path):
     cp, ref = _loop("trainer_cp.py", tmp_path)
     check_same_run(cp, ref)
