@@ -36,6 +36,7 @@ def _sweep(tmp_path: Path, loop: str):
     return row
 
 
+@pytest.mark.heavy  # a launch of its own (about 25 s here): .ci/run
 def test_a_trainer_driven_point_is_a_row(tmp_path):
     row = _sweep(tmp_path, "trainer")
     assert row["point_id"].endswith("/trainer-loop") and row["loop"] == "trainer"
