@@ -129,7 +129,7 @@ def test_an_iterable_dataset_is_read_per_data_parallel_rank(model_dir, tmp_path,
         check_same_run(result, ref)
 
 
-def _resume_case(spawn, model_dir, tmp_path, resumed_spec, world):
+def check_resume(spawn, model_dir, tmp_path, resumed_spec, world):
     # the curve of an uninterrupted unsharded run; a cp 2 run that checkpoints every 2 steps; the same run resumed
     # from its step-2 checkpoint on another mesh: its steps 3 and 4 continue the unsharded curve
     ref = spawn(w.train, 1, model_dir, {"cp": 1, "steps": 4}, str(tmp_path / "ref"))[0]
@@ -142,14 +142,14 @@ def _resume_case(spawn, model_dir, tmp_path, resumed_spec, world):
 
 
 def test_resume_at_another_cp_size_continues_the_curve(model_dir, tmp_path, spawn):
-    _resume_case(spawn, model_dir, tmp_path, {"cp": 4}, 4)
+    check_resume(spawn, model_dir, tmp_path, {"cp": 4}, 4)
 
 
 @pytest.mark.heavy
 @pytest.mark.parametrize("resumed, world", [({"cp": 2}, 2), ({"cp": 2, "fsdp": 2, "batch": 1}, 4)],
                          ids=["same-mesh", "fsdp2-cp2"])
 def test_resume_on_the_same_or_another_mesh_continues_the_curve(model_dir, tmp_path, spawn, resumed, world):
-    _resume_case(spawn, model_dir, tmp_path, resumed, world)
+    check_resume(spawn, model_dir, tmp_path, resumed, world)
 
 
 @pytest.mark.heavy
