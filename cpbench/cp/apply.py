@@ -207,7 +207,8 @@ def parallelize(model: torch.nn.Module, config: DistributedConfig, mesh: CPDevic
         if mesh is None:
             return model
     else:
-        check_model_class(cls, model.config.model_type)
+        if wants_cp(config):  # at cp_size 1 any causal LM shards (FSDP only), a hybrid family's included
+            check_model_class(cls, model.config.model_type)
         device_map = hf_compat.init_distributed()
     if isinstance(device_map, torch.device) and not _all_on(model, device_map):
         model.to(device_map)  # a no-op move is skipped: `to()` swaps every parameter even then

@@ -196,3 +196,27 @@ def test_an_moe_config_json_projects_with_no_plan_written_by_hand(tmp_path, caps
                        "--styles", "cp_ulysses,cp_ring_zigzag")
     assert rc == 0 and set(df["status"]) == {"ok"} and len(df) == 2, capsys.readouterr().err
     assert set(df["model_type"]) == {"qwen3_moe"}
+
+
+@pytest.mark.heavy
+def test_a_hybrid_family_projects_and_sweeps_at_cp_1_over_fsdp_and_is_told_what_to_do_at_cp_2(tmp_path, capsys):
+    """docs/families.md: a refused family runs without CP (here FSDP over two ranks), projected and measured (its
+    parity against the unsharded run passes); its cp > 1 is refused before anything runs, saying to run it at cp 1.
+    Opt-in (`-m heavy`, 90 s)."""
+    from transformers import Qwen3NextConfig
+
+    Qwen3NextConfig(vocab_size=128, hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_experts=4,
+                    num_experts_per_tok=2, shared_expert_intermediate_size=32, num_hidden_layers=4,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=16).save_pretrained(tmp_path / "hybrid")
+    rc, df = _estimate(tmp_path, "--model", str(tmp_path / "hybrid"), "--seq", "128", "--cp", "1", "--world-size", "2")
+    assert rc == 0 and list(df["status"]) == ["ok"] and list(df["fsdp_size"]) == [2], capsys.readouterr().err
+    capsys.readouterr()
+    rc, _ = _estimate(tmp_path / "refused", "--model", str(tmp_path / "hybrid"), "--seq", "128", "--cp", "1,2")
+    assert rc == 2 and "cannot be context-parallel at cp_size [2]" in capsys.readouterr().err
+    hybrid = tmp_path / "hybrid"
+    (tmp_path / "s.toml").write_text(f'model = "{hybrid}"\nseq_lens = [64]\ncp_sizes = [1]\n'
+                                     "world_size = 2\nwarmup_steps = 1\nmeasured_steps = 1\n")
+    assert main(["sweep", str(tmp_path / "s.toml"), "--out", str(tmp_path / "swept"), "--no-progress"]) == 0
+    (run,) = (tmp_path / "swept" / "s").glob("*/runs.parquet")
+    row = store.read_run(run).iloc[0]
+    assert (row["status"], row["parity_status"], row["fsdp_size"]) == ("ok", "pass", 2)

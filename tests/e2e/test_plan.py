@@ -129,6 +129,16 @@ def test_the_search_goes_by_levels_and_prunes_only_by_finished_ones():
     assert any(p.startswith("cp_usp-u2/sdpa cp 4: at most") for p in search.pruned)
 
 
+def test_a_family_no_cut_makes_exact_is_searched_at_cp_1_only_saying_why():
+    from transformers import Qwen3NextConfig
+
+    opts = PlanOptions(model="hybrid", seq=8192, gpus=4, gpu="h100-sxm")
+    search = Search(opts, capacity=1 << 40, config=Qwen3NextConfig(num_hidden_layers=4))
+    assert search.cps(ULYSSES) == [1] and search.cps(RING) == [] and search.cps(USP) == []
+    assert search.pruned == ["cp > 1: qwen3_next cannot be context-parallel (gated delta net layers (short conv + delta "
+                             "rule) beside attention); searched at cp 1 only"]
+
+
 def _best_and_pruned(tmp_path, prune: bool, jobs: int = 1, **kwargs):
     from cpbench.harness.project.plan import ranked, run_plan
 

@@ -34,12 +34,26 @@ def test_a_config_file_or_its_directory_is_a_model(tmp_path):
     (BertConfig(), "is an encoder"),
     (T5Config(), "not a decoder-only causal LM"),
     (LlavaConfig(), "is a multimodal config"),
-    (FalconH1Config(), "cannot be context-parallel: Mamba-2 mixer in parallel with attention"),
+    (FalconH1Config(), r"cannot be context-parallel at cp_size \[2\]: Mamba-2 mixer in parallel with attention.*"
+                       r"Run it at cp_size 1 \(`--cp 1`"),
 ])
 def test_configs_cpbench_cannot_run_are_refused_saying_why(tmp_path, config, why):
     config.save_pretrained(tmp_path / "m")
     with pytest.raises(SuiteErrors, match=why):
         _suite(str(tmp_path / "m"))
+
+
+def test_a_hybrid_family_is_a_model_like_any_other_at_cp_size_1(tmp_path):
+    """docs/families.md: a refused family runs unsharded; only its cp > 1 points are refused."""
+    from transformers import Qwen3NextConfig
+
+    Qwen3NextConfig(**TINY, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                    shared_expert_intermediate_size=32).save_pretrained(tmp_path / "m")
+    suite = load_suite("t.toml", text=f'model = "{tmp_path / "m"}"\nseq_lens = [64]\ncp_sizes = [1]\n')
+    assert [p.point_id for p in suite.points()] == ["m/s64/cp1/sdpa/none"]
+    with pytest.raises(SuiteErrors, match=r"\(qwen3_next\) cannot be context-parallel at cp_size \[2, 4\]: gated "
+                                          r"delta net.*Run it at cp_size 1"):
+        load_suite("t.toml", text=f'model = "{tmp_path / "m"}"\nseq_lens = [64]\ncp_sizes = [1, 2, 4]\n')
 
 
 def test_an_unknown_name_says_what_model_may_be_and_never_downloads():

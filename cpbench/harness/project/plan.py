@@ -166,12 +166,16 @@ class Search:
     def __init__(self, opts: PlanOptions, capacity: int, config):
         self.opts, self.capacity, self.config = opts, capacity, config
         self.masked_attn = {a for a in opts.attn if masked(config, opts.documents, a)}  # backends USP runs at degree cp
+        from cpbench.cp.families.table import refusal_reason
+
+        self.refused = refusal_reason(config.model_type)  # a family no sequence cut makes exact: cp 1 only
         self.best = 0.0
         self.start: dict[tuple, int] = {}  # configuration -> the rung its next (smaller) cp starts at
         self.bound: dict[tuple, float] = {}  # configuration -> tokens/s per GPU its smaller cps cannot pass
         self.ended: set[tuple] = set()  # configurations whose smaller cps are not tried (said in `pruned`)
         self.ring_bound: dict[tuple, float] = {}  # (backend, cp) -> the zigzag ring's bound there (USP's too)
-        self.pruned: list[str] = []
+        self.pruned: list[str] = [f"cp > 1: {config.model_type} cannot be context-parallel ({self.refused}); "
+                                   "searched at cp 1 only"] if self.refused else []
         self.suites: dict[str, str] = {}  # point_id -> its suite text
         self._level: list[tuple] = []  # (configuration, cp, rung or None, row) of the level running
 
@@ -183,6 +187,8 @@ class Search:
     def cps(self, key: tuple) -> list[int]:
         attn, style, degree = key
         least = degree if attn in self.masked_attn else degree + 1  # degree cp: Ulysses on the ring's kernel
+        if self.refused:
+            return [1] if style == self.opts.styles[0] else []
         return [c for c in cp_sizes(self.opts.gpus) if (c > 1 or style == self.opts.styles[0])
                 and (style != "cp_usp" or (c >= least and c % degree == 0))]
 

@@ -169,13 +169,12 @@ def _cached_hub_config(name: str) -> dict:
 
 
 def _check_family(raw: dict, name: str) -> None:
-    """Decoder-only causal LMs whose family has a default CP plan; the rest refused, saying why and what to do."""
+    """Decoder-only causal LMs; the rest refused, saying why and what to do. A family no sequence cut makes exact
+    (a hybrid's recurrent mixer) is a model like any other at cp_size 1: `check_has_plan` refuses its cp > 1."""
     from transformers.models.auto.modeling_auto import (
         MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
         MODEL_FOR_MASKED_LM_MAPPING_NAMES,
     )
-
-    from cpbench.cp.plan import refusal_reason
 
     family = raw["model_type"]
     if "vision_config" in raw or "audio_config" in raw or "text_config" in raw:
@@ -187,17 +186,22 @@ def _check_family(raw: dict, name: str) -> None:
     if raw.get("is_encoder_decoder") or family not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise ValueError(f"`model = {name!r}` ({family}) is not a decoder-only causal LM: context parallelism here "
                          "cuts the sequence of a causal language model's decoder layers (AutoModelForCausalLM).")
-    why = refusal_reason(family)
-    if why is not None:
-        raise ValueError(f"`model = {name!r}` ({family}) cannot be context-parallel: {why}.")
-
 
 
 def check_has_plan(preset: Preset, cp_plan: dict, cp_sizes) -> None:
-    """A family the audit does not know (cp/families/: every causal-LM family of the pinned transformers) runs at
-    cp > 1 only with the suite's `cp_plan` (or a config carrying `base_model_cp_plan`)."""
+    """A family the audit refused (its layers mix tokens outside attention) runs at cp_size 1 only; one the audit does
+    not know (cp/families/: every causal-LM family of the pinned transformers) runs at cp > 1 only with the suite's
+    `cp_plan` (or a config carrying `base_model_cp_plan`)."""
     from cpbench.cp.families import table
 
+    above = sorted(c for c in cp_sizes if c > 1)
+    why = table.refusal_reason(preset.family)
+    if why is not None and above:
+        raise ValueError(
+            f"`model = {preset.name!r}` ({preset.family}) cannot be context-parallel at cp_size {above}: {why}; no "
+            "cp_plan makes a sequence cut exact there (docs/families.md). Run it at cp_size 1 (`--cp 1`, cp_sizes = "
+            "[1]): the whole sequence on every rank, FSDP over the ranks (world_size), and the memory levers "
+            "(recompute, chunked loss, offload) to fit a longer one.")
     if cp_plan or max(cp_sizes, default=1) <= 1 or table.base_plan(preset.family) is not None or \
             preset.values.get("base_model_cp_plan"):
         return
