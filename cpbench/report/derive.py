@@ -121,3 +121,23 @@ def measurement_note(frame: pd.DataFrame) -> str:
     if "projected" not in kinds:
         return ""
     return " (projected)" if kinds == {"projected"} else " (measured and projected)"
+
+
+def profile_note(frame: pd.DataFrame) -> str | None:
+    """The GPU profile (and where it comes from) that a run's projected times are for, or None where none is."""
+    if "gpu_profile" not in frame or "projected_step_s" not in frame:
+        return None
+    timed = frame[frame["projected_step_s"].notna()]
+    names = [str(v) for v in timed["gpu_profile"].dropna().unique()]
+    if not names:
+        return None
+
+    def source(name: str) -> str:
+        if name.endswith(".toml") or "/" in name or "\\" in name:
+            return f"`{name}`, a profile file (`cpbench calibrate` writes them)"
+        return (f"`{name}`, shipped with cpbench (cpbench/harness/project/gpus.toml gives each figure's source; "
+                "docs/time.md how far its times are from published steps)")
+
+    return (f"Projected times are priced on the GPU profile {' and '.join(source(n) for n in names)}; measured "
+            "times are this run's own." if len(timed) < len(frame) else
+            f"Projected times are priced on the GPU profile {' and '.join(source(n) for n in names)}.")

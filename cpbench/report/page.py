@@ -12,7 +12,7 @@ import pandas as pd
 
 from . import axes, balance, plots, tables, units
 from .compare import beside_projected
-from .derive import measurement_note, ratios_vs_cp1
+from .derive import measurement_note, profile_note, ratios_vs_cp1
 from .runs.load import run_label
 from .peers import has_peers, peers_figure, peers_table
 
@@ -118,14 +118,15 @@ def write_report(frame: pd.DataFrame, out_dir: str | Path, capacity: float | Non
     table = out_dir / "table.md"
     table.write_text(tables.comparison_markdown(frame) + "\n")
     markdown = out_dir / "report.md"
-    markdown.write_text(_markdown(title, before, after, images, out_dir))
+    lead = profile_note(frame)
+    markdown.write_text(_markdown(title, lead, before, after, images, out_dir))
     page = out_dir / "report.html"
-    page.write_text(_html(title, before, after, images))
+    page.write_text(_html(title, lead, before, after, images))
     return ReportFiles(html=page, markdown=markdown, table=table, plots=images, omitted=omitted)
 
 
-def _markdown(title: str, before, after, images: dict[str, Path], out_dir: Path) -> str:
-    parts = [f"# {title}", ""]
+def _markdown(title: str, lead: str | None, before, after, images: dict[str, Path], out_dir: Path) -> str:
+    parts = [f"# {title}", "", *([lead, ""] if lead else [])]
     for heading, table, index_name in before:
         parts += [f"## {heading}", "", tables.to_markdown(table, index_name), ""]
     for name, path in images.items():
@@ -135,8 +136,8 @@ def _markdown(title: str, before, after, images: dict[str, Path], out_dir: Path)
     return "\n".join(parts)
 
 
-def _html(title: str, before, after, images: dict[str, Path]) -> str:
-    body = [f"<h1>{html.escape(title)}</h1>"]
+def _html(title: str, lead: str | None, before, after, images: dict[str, Path]) -> str:
+    body = [f"<h1>{html.escape(title)}</h1>", *([f"<p>{html.escape(lead)}</p>"] if lead else [])]
     for heading, table, index_name in before:
         body += [f"<h2>{html.escape(heading)}</h2>", tables.to_html(table, index_name)]
     for name, path in images.items():

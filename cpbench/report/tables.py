@@ -82,16 +82,24 @@ def _point_row(row: pd.Series, unit: tuple[int, str]) -> dict:
         f"peak per rank ({unit[1]})": ranks,
         "activations": units.in_unit(row["activations_bytes"], unit),
         "temporaries": units.in_unit(row.get("temporaries_bytes"), unit),
-        "step median": units.ms(row["step_time_median_s"]),
+        "step median": _projected_or(row, "step_time_median_s", "projected_step_s", units.ms),
         "step p10–p90": _spread(row),
         "attention imbalance": imbalance_text(row),
         "slowest rank": slowest_text(row),
-        "tokens/s": units.sig(row["tokens_per_s"]),
+        "tokens/s": _projected_or(row, "tokens_per_s", "projected_tokens_per_s", units.sig),
         "parity": row["parity_status"] if isinstance(row["parity_status"], str) else "–",
         "loss rel err": units.sig(row["loss_rel_err"], 2),
         "grad max rel err": units.sig(row["grad_max_rel_err"], 2),
         "detail": _detail(row),
     }
+
+
+def _projected_or(row: pd.Series, measured: str, projected: str, show) -> str:
+    """A measured value, or on a projected row with a time its projected one, said as such."""
+    value = row.get(projected)
+    if row.get("measurement") == "projected" and value is not None and pd.notna(value):
+        return f"{show(value)} projected"
+    return show(row[measured])
 
 
 def _spread(row: pd.Series) -> str:

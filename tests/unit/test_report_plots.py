@@ -116,3 +116,27 @@ def test_a_projected_report_writes_no_empty_time_or_parity_figure(tmp_path):
     paths, omitted = page.save_figures(projected(make_run()), tmp_path)
     assert "memory" in paths and "time" not in paths and "parity" not in paths
     assert "estimate --gpu" in omitted["time"] and "parity verdict" in omitted["parity"]  # each says why
+
+
+def _timed(frame):
+    """A projection priced on a GPU profile, as `estimate --gpu h100-sxm` writes it."""
+    ran = frame["status"] == "ok"
+    return frame.assign(projected_step_s=ran.map({True: 0.25, False: float("nan")}).astype(float),
+                        projected_tokens_per_s=ran.map({True: 4096.0, False: float("nan")}).astype(float),
+                        gpu_profile=ran.map({True: "h100-sxm", False: None}))
+
+
+def test_a_projected_report_names_its_gpu_profile_at_the_top_and_fills_every_time_cell(tmp_path):
+    from cpbench.report import tables
+    from tests.report_fixtures import projected
+
+    frame = _timed(projected(make_run()))
+    files = page.write_report(frame, tmp_path)
+    lines = files.markdown.read_text().splitlines()
+    assert lines[2].startswith("Projected times are priced on the GPU profile `h100-sxm`, shipped with cpbench")
+    assert "priced on the GPU profile `h100-sxm`" in files.html.read_text()
+    ok = tables.points(frame)[frame["status"].eq("ok").to_numpy()]
+    assert set(ok["step median"]) == {"250 ms projected"} and set(ok["tokens/s"]) == {"4096 projected"}
+    from cpbench.report.derive import profile_note
+
+    assert profile_note(make_run()) is None  # a measured run's times are its own: the page opens on its title
