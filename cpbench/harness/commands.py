@@ -24,8 +24,8 @@ def register(subparsers) -> None:
                          help="local: torch's launcher here (default); slurm: one SLURM job per world size, torch's "
                               "launcher on every node; submitit-local: the same job on this machine, each node a "
                               "local process")
-    cluster.add_argument("--nodes", type=int, default=1, help="nodes a job may use (default 1)")
-    cluster.add_argument("--gpus-per-node", type=int, default=8, help="ranks per node (default 8)")
+    cluster.add_argument("--nodes", type=int, default=None, help="nodes a job may use (default 1)")
+    cluster.add_argument("--gpus-per-node", type=int, default=None, help="ranks per node (default 8)")
     cluster.add_argument("--partition", default=None, help="SLURM partition")
     cluster.add_argument("--account", default=None, help="SLURM account")
     sweep.set_defaults(func=sweep_command)
@@ -135,17 +135,24 @@ def _cluster(args):
     from cpbench.harness.run.cluster import ClusterOptions
 
     launcher = getattr(args, "launcher", "local")
+    given = [name for name in ("nodes", "gpus_per_node", "partition", "account")
+             if getattr(args, name, None) is not None]
     if launcher == "local":
+        if given:
+            flags = " ".join(f"--{n.replace('_', '-')} {getattr(args, n)}" for n in given)
+            raise ValueError(f"{flags}: a cluster's, for --launcher slurm or submitit-local; the local launcher runs "
+                             "each point's ranks on this machine. Give the launcher, or drop them.")
         return None
     import importlib.util
 
     if importlib.util.find_spec("submitit") is None:
         raise ValueError(f"--launcher {launcher} submits through submitit, not installed here: "
                          "pip install 'cpbench[slurm]'")
-    for name in ("nodes", "gpus_per_node"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: give an integer >= 1")
-    return ClusterOptions(launcher, args.nodes, args.gpus_per_node, args.partition, args.account)
+    nodes, per_node = args.nodes or 1, args.gpus_per_node or 8
+    for name, value in (("nodes", args.nodes), ("gpus-per-node", args.gpus_per_node)):
+        if value is not None and value < 1:
+            raise ValueError(f"--{name} {value}: give an integer >= 1")
+    return ClusterOptions(launcher, nodes, per_node, args.partition, args.account)
 
 
 def sweep_command(args) -> int:

@@ -4,11 +4,7 @@ from __future__ import annotations
 
 import math
 import re
-
-try:  # pandas' missing-value singleton, without making units need pandas
-    from pandas import NA as _NA
-except ImportError:  # pragma: no cover - pandas is a dependency
-    _NA = object()
+import sys
 
 GIB = 1024**3
 MIB = 1024**2
@@ -16,8 +12,11 @@ KIB = 1024
 
 
 def _missing(value) -> bool:
-    """None, NaN, or pandas' NA (a nullable integer column's empty cell)."""
-    return value is None or value is _NA or (isinstance(value, float) and math.isnan(value))
+    """None, NaN, or pandas' NA (a nullable integer column's empty cell). pandas is not imported here (the command
+    line parses its arguments without it): a value can only be its NA once pandas is loaded."""
+    pandas = sys.modules.get("pandas")
+    return value is None or (pandas is not None and value is pandas.NA) or (isinstance(value, float)
+                                                                          and math.isnan(value))
 
 
 def sig(value: float, digits: int = 3) -> str:

@@ -17,7 +17,8 @@ ROOT = Path(__file__).parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # Placeholders the pages use, and what stands in for them (an existing suite, a run folder name).
 PLACEHOLDERS = {"SUITE": "suites/default-cpu.toml", "ID": "p0", "RUN_A": "results/a", "RUN_B": "results/b",
-                "RUN": "results/run", "DIR": "results", "NAME": "name", "FILE": "suites/default-cpu.toml"}
+                "RUN": "results/run", "DIR": "results", "NAME": "name", "FILE": "suites/default-cpu.toml",
+                "my-h100": "h100-sxm"}  # the last: the profile file docs/time.md's calibrate line writes
 
 
 def shell_lines(page: Path) -> list[str]:
@@ -87,10 +88,32 @@ def test_a_documented_command_still_works(page, line):
 
     args = _cpbench_args(argv if argv[0] != "torchrun" else [w for w in argv if w != "..."])
     try:
-        build_parser().parse_args(args)
+        parsed = build_parser().parse_args(args)
     except SystemExit as e:
         pytest.fail(f"{page}: `{line}` does not parse (exit {e.code})")
+    if args[0] in ("estimate", "plan"):  # every flag shown applies: none is refused before the projection starts
+        _check_options(page, line, parsed)
     for word in args:
         if word.endswith(".toml"):
             assert (ROOT / word).exists(), f"{page}: `{line}`: {word} does not exist"
             load_suite(str(ROOT / word))  # its fields are still the suite's fields, and its values pass the checks
+
+
+def _check_options(page: str, line: str, parsed) -> None:
+    import os
+
+    from cpbench.harness.estimate_cli import estimate_options
+    from cpbench.harness.project.commands import plan_options
+    from cpbench.harness.project.estimate import preflight
+
+    here = os.getcwd()
+    os.chdir(ROOT)  # the pages' paths are the repository's
+    try:
+        if parsed.command == "estimate":
+            preflight(estimate_options(parsed))
+        else:
+            plan_options(parsed)
+    except ValueError as e:
+        pytest.fail(f"{page}: `{line}` is refused: {e}")
+    finally:
+        os.chdir(here)

@@ -23,7 +23,10 @@ parity = "off"
 
 def _estimate(tmp_path, *args) -> tuple[int, object]:
     jobs = [] if "--jobs" in args else ["--jobs", "1"]
-    rc = main(["estimate", *args, "--out", str(tmp_path / "results"), *jobs])
+    try:
+        rc = main(["estimate", *args, "--out", str(tmp_path / "results"), *jobs])
+    except SystemExit as e:  # refused by the parser, before anything is imported
+        rc = e.code
     runs = sorted((tmp_path / "results").glob("*/*/runs.parquet"))
     return rc, (store.read_run(runs[-1]).set_index("point_id") if runs else None)
 
@@ -114,7 +117,8 @@ def test_a_timed_point_is_told_its_regimes_record_against_published_measurements
 
 @pytest.mark.parametrize("args, message", [
     (["--model", "tiny-qwen9", "--seq", "128"], "not a cpbench preset"),
-    (["--model", "tiny-qwen3", "--seq", "12k"], "--seq '12k'"),
+    (["--model", "tiny-qwen3", "--seq", "12k"], "argument --seq: '12k': give comma-separated integers"),
+    (["--model", "tiny-qwen3", "--seq", "128", "--dtype", "float64"], "argument --dtype: invalid choice: 'float64'"),
     (["--model", "tiny-qwen3", "--seq", "128", "--device-memory", "80XB"], "write a size like 80GiB"),
     (["--model", "tiny-qwen3", "--seq", "128", "--max-seq"], "--max-seq needs a capacity"),
     (["--model", "tiny-qwen3"], "--model and --seq"),
@@ -131,12 +135,13 @@ def test_bad_arguments_exit_2_with_the_fix(tmp_path, capsys, args, message):
 def test_a_suite_built_from_flags_is_refused_in_the_flags_words(tmp_path, capsys):
     # the same checks as a suite file's, said as the command line a user typed: no suite field names, the fix a flag
     rc, _ = _estimate(tmp_path, "--model", "tiny-qwen3", "--seq", "16384", "--cp", "3", "--world-size", "2",
-                      "--dtype", "float64")
+                      "--styles", "cp_rnig")
     err = capsys.readouterr().err
     assert rc == 2 and "suite field" not in err and "model_overrides" not in err
     assert "`--seq 16384`: exceeds the model's max_position_embeddings=8192" in err
     assert "--override max_position_embeddings=<value>" in err
-    assert "`--dtype float64`: use one of" in err and "`--cp 3`: " in err and "does not divide --world-size 2" in err
+    assert "`--styles cp_rnig`: is not a CP attention style" in err and "Did you mean `cp_ring`?" in err
+    assert "`--cp 3`: " in err and "does not divide --world-size 2" in err
 
 
 def test_a_suite_and_a_model_together_are_refused(tmp_path, capsys):

@@ -22,5 +22,10 @@ def test_every_argument_has_help():
 def test_defaults_users_rely_on_are_stated():
     subs = _subcommands()
     assert "'default'" in subs["sweep"].format_help()
+    from cpbench.harness.estimate_cli import QUICK_DEFAULTS
+
     styles = next(a for a in subs["estimate"]._actions if a.dest == "styles")
-    assert styles.default in styles.help.replace(" ", "")
+    assert styles.default is None  # a suite file keeps its own; the quick form's default is in the help
+    assert ",".join(QUICK_DEFAULTS["cp_styles"]) in styles.help.replace(" ", "")
+    model = next(a for a in subs["estimate"]._actions if a.dest == "model")
+    assert "config.json" in model.help and "directory" in model.help

@@ -88,27 +88,34 @@ def _documents(text: str | None):
     return documents.NONE if text is None else documents.parse(text)
 
 
+def plan_options(args):
+    """The search the arguments ask for (--top and --out only shape what is printed and written after it)."""
+    from cpbench.harness.project.plan import PlanOptions
+    from cpbench.harness.suite.grid_checks import default_backend
+
+    cp_plan = None
+    if args.cp_plan is not None:
+        from cpbench.harness.suite.presets import get_preset, plan_from_flag
+
+        cp_plan = plan_from_flag(args.cp_plan, get_preset(args.model))
+    return PlanOptions(cp_plan=cp_plan, model=args.model, seq=args.seq, gpus=args.gpus, gpu=args.gpu, nodes=args.nodes,
+                       host_memory=args.host_memory, device_memory=args.device_memory, headroom=args.headroom,
+                       styles=tuple(s.strip() for s in args.styles.split(",") if s.strip()),
+                       attn=tuple(a.strip() for a in (args.attn or default_backend(args.model)).split(",")
+                                  if a.strip()),
+                       overrides=_overrides(args.override), min_gain=args.min_gain, out=args.results,
+                       jobs=args.jobs, documents=_documents(args.documents), norm=args.norm,
+                       optimizer=args.optimizer, max_grad_norm=args.max_grad_norm, prune=not args.no_prune)
+
+
 def plan_command(args) -> int:
     from cpbench.harness.project.record import record_block
-    from cpbench.harness.project.plan import PlanOptions, ranked, run_plan
-    from cpbench.harness.suite.grid_checks import default_backend
+    from cpbench.harness.project.plan import ranked, run_plan
     from cpbench.report.runs import store
 
     t0 = time.perf_counter()
     try:
-        cp_plan = None
-        if args.cp_plan is not None:
-            from cpbench.harness.suite.presets import get_preset, plan_from_flag
-
-            cp_plan = plan_from_flag(args.cp_plan, get_preset(args.model))
-        opts = PlanOptions(cp_plan=cp_plan, model=args.model, seq=args.seq, gpus=args.gpus, gpu=args.gpu, nodes=args.nodes,
-                           host_memory=args.host_memory, device_memory=args.device_memory, headroom=args.headroom,
-                           styles=tuple(s.strip() for s in args.styles.split(",") if s.strip()),
-                           attn=tuple(a.strip() for a in (args.attn or default_backend(args.model)).split(",")
-                                      if a.strip()),
-                           overrides=_overrides(args.override), min_gain=args.min_gain, out=args.results,
-                           jobs=args.jobs, documents=_documents(args.documents), norm=args.norm,
-                           optimizer=args.optimizer, max_grad_norm=args.max_grad_norm)
+        opts = plan_options(args)
         run_dir, search = run_plan(opts, on_row=lambda r: print(f"  {r['point_id']}: {r['status']}", flush=True))
     except ValueError as e:
         print(f"cpbench plan: {e}", file=sys.stderr)

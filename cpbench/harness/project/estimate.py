@@ -47,9 +47,9 @@ class EstimateOptions:
     run: str | None = None
     device_memory: str | None = None
     host_memory: str | None = None  # per node
-    gpus_per_node: int = 8
+    gpus_per_node: int | None = None  # ranks per node (8), for host memory and the pricing of collectives
     max_seq: bool = False
-    granularity: int = 1024
+    granularity: int | None = None  # the --max-seq search's step in tokens (1024)
     jobs: int | None = None  # worker processes (default: the CPUs, at most 8); 1: in this process
     gpu: str | None = None  # a GPU profile (hardware.py): projected time, and the capacity when none is given
     sdpa_kernel: str | None = None  # the kernel a model's own SDPA call is priced as (default: the profile's)
@@ -107,8 +107,20 @@ def capacity_of(opts: EstimateOptions, suite: Suite, hardware=None) -> int | Non
     return hardware.memory_bytes if hardware is not None else None
 
 
-def run_estimate(opts: EstimateOptions, on_row=None) -> Path:
-    """Projects a suite (or, with `max_seq`, searches its largest lengths); returns the run folder."""
+@dataclass(frozen=True)
+class Checked:
+    """What a projection runs with, every option checked (`preflight`)."""
+    suite: Suite
+    hardware: object
+    capacity: int | None
+    host_capacity: int | None
+    gpus_per_node: int
+    jobs: int
+
+
+def preflight(opts: EstimateOptions) -> Checked:
+    """Every option checked, and each one that cannot apply (an option of another that was not given) refused naming
+    it, before anything is projected."""
     suite = opts.suite if isinstance(opts.suite, Suite) else resolve_suite(opts.suite)
     if suite.loop != "own":
         raise ValueError(f"suite {suite.name!r}: loop = {suite.loop!r} is measured only (a projection runs cpbench's own "
@@ -124,17 +136,32 @@ def run_estimate(opts: EstimateOptions, on_row=None) -> Path:
     if opts.max_seq and capacity is None:
         raise ValueError("--max-seq needs a capacity: pass --gpu (e.g. h100-sxm) or --device-memory (e.g. 80GiB), "
                          "or set the suite's memory_budget.")
-    if opts.gpus_per_node < 1:
-        raise ValueError(f"--gpus-per-node {opts.gpus_per_node}: give at least 1 (ranks that share a node's host "
+    if opts.granularity is not None and not opts.max_seq:
+        raise ValueError(f"--granularity {opts.granularity}: the step of --max-seq's search, which was not asked "
+                         "for; give --max-seq too, or drop --granularity.")
+    if opts.gpus_per_node is not None and hardware is None and host_capacity is None:
+        raise ValueError(f"--gpus-per-node {opts.gpus_per_node}: the ranks per node that --host-memory's check and "
+                         "--gpu's pricing of collectives read, and neither was given; give one, or drop it.")
+    gpus_per_node = 8 if opts.gpus_per_node is None else opts.gpus_per_node
+    if gpus_per_node < 1:
+        raise ValueError(f"--gpus-per-node {gpus_per_node}: give at least 1 (ranks that share a node's host "
                          "memory).")
     jobs = opts.jobs if opts.jobs is not None else min(os.cpu_count() or 1, 8)
     if jobs < 1:
         raise ValueError(f"--jobs {jobs}: give at least 1 (worker processes; 1 projects in this process).")
+    return Checked(suite, hardware, capacity, host_capacity, gpus_per_node, jobs)
+
+
+def run_estimate(opts: EstimateOptions, on_row=None) -> Path:
+    """Projects a suite (or, with `max_seq`, searches its largest lengths); returns the run folder."""
+    checked = preflight(opts)
+    suite, jobs = checked.suite, checked.jobs
     run_dir = pick_run_dir(Path(opts.out) / suite.name, opts.run, resume=False)
     with writing(run_dir, opts.run, False, opts.wait, "estimate"):
-        estimator = Estimator(run_dir, suite, capacity, on_row, host_capacity, opts.gpus_per_node, hardware)
+        estimator = Estimator(run_dir, suite, checked.capacity, on_row, checked.host_capacity, checked.gpus_per_node,
+                              checked.hardware)
         if opts.max_seq:
-            run_chains(estimator, chains(suite, opts.granularity), jobs)
+            run_chains(estimator, chains(suite, 1024 if opts.granularity is None else opts.granularity), jobs)
         else:
             by_config: dict[str, list[Point]] = {}
             for p in suite.points():

@@ -34,8 +34,10 @@ seed = 0
 """
 
 
-def resolve_suite(ref: str | Path | None, *, allow_faults: bool = False, cp_plan: str | None = None) -> Suite:
-    """The suite `ref` names; `cp_plan` (the `--cp-plan` flag: a JSON plan or a style name) replaces its plan."""
+def resolve_suite(ref: str | Path | None, *, allow_faults: bool = False, cp_plan: str | None = None,
+                  fields: dict | None = None) -> Suite:
+    """The suite `ref` names; `cp_plan` (the `--cp-plan` flag: a JSON plan or a style name) replaces its plan, and
+    `fields` (what other flags set) its fields, but `model_overrides`, which add to the file's."""
     if ref is None or str(ref) == DEFAULT:
         source, text = "default-cpu.toml", DEFAULT_SUITE_TOML
     else:
@@ -46,14 +48,15 @@ def resolve_suite(ref: str | Path | None, *, allow_faults: bool = False, cp_plan
                 f"'{DEFAULT}' for the default CPU suite."
             )
         text = source.read_text()
-    overrides = {}
-    if cp_plan is not None:
-        try:
-            model = tomllib.loads(text).get("model")
-        except tomllib.TOMLDecodeError:
-            model = None  # load_suite says what is wrong with the file
-        if isinstance(model, str):
-            overrides["cp_plan"] = plan_from_flag(cp_plan, get_preset(model))
+    overrides = dict(fields or {})
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError:
+        raw = {}  # load_suite says what is wrong with the file
+    if "model_overrides" in overrides and isinstance(raw.get("model_overrides"), dict):
+        overrides["model_overrides"] = {**raw["model_overrides"], **overrides["model_overrides"]}
+    if cp_plan is not None and isinstance(raw.get("model"), str):
+        overrides["cp_plan"] = plan_from_flag(cp_plan, get_preset(raw["model"]))
     return load_suite(source, text=text, allow_faults=allow_faults, overrides=overrides)
 
 
