@@ -232,7 +232,7 @@ def test_a_second_writer_is_refused_naming_the_first_or_waits_for_it(tmp_path, c
     (("tiny-qwen3", "tiny-qwen9"), "`model = 'tiny-qwen9'`"),
     (('"sdpa"', '"sdpaa"'), "attn_implementations"),
     (("cp_sizes = [1]", "cp_sizes = [1, 3]"), "cp_sizes"),
-    (("parity = \"off\"", "parity = \"off\"\ncp_styles2 = 1"), "unknown suite fields"),
+    (("parity = \"off\"", "parity = \"off\"\ncp_styles2 = 1"), "unknown suite field `cp_styles2`: Did you mean `cp_styles`?"),
 ])
 def test_a_bad_suite_is_refused_before_any_launch(tmp_path, capsys, edit, needle):
     rc, err = _cli(capsys, "sweep", str(_suite(tmp_path, CHEAP.replace(*edit))), "--out", str(tmp_path / "out"))

@@ -70,7 +70,8 @@ def test_overrides_name_the_model():
     (BASE + "timeout_s = -1\n", "timeout_s", "positive"),
     (BASE + "model_overrides = {hiden_size = 8}\n", "model_overrides", "spelling"),
     (BASE + 'memory_budget = "lots"\n', "memory_budget", "80GiB"),
-    (BASE + "colour = 1\n", "unknown suite fields ['colour']", "Known fields"),
+    (BASE + "colour = 1\n", "unknown suite field `colour`", "the known fields are"),
+    (BASE + "cp_size = [2]\n", "unknown suite field `cp_size`", "Did you mean `cp_sizes`?"),
     (BASE + '[faults]\n"*" = "crash"\n', "faults", "--allow-faults"),
     (BASE + "mixed_precision = true\n", "mixed_precision", 'set dtype = "bfloat16"'),
     (BASE + 'mixed_precision = "yes"\n', "`mixed_precision` = 'yes'", "true or false"),
@@ -187,9 +188,46 @@ def test_every_error_of_a_suite_is_reported_at_once():
         _load(text)
     message = str(raised.value)
     assert message.startswith("t.toml: 5 errors:")
-    for part in ("unknown suite fields ['nonsense']", "`dtype` = 'float8'", "`batch_size` = 0", "`warmup_steps` = 0",
+    for part in ("unknown suite field `nonsense`", "`dtype` = 'float8'", "`batch_size` = 0", "`warmup_steps` = 0",
                  "`attn_implementations` = 'sdpa2'"):
         assert part in message, part
+
+
+def test_a_wrong_type_hides_no_other_error_and_misspellings_get_the_near_name():
+    text = BASE.replace('"sdpa"', '"sdpaa"').replace('"cp_ring"', '"cp_rnig"') + (
+        'dtype = 3\nbatch_size = "one"\nloss = "chunkd"\nwarmup_steps = 0\ncp_size = [2]\n')
+    with pytest.raises(ValueError) as raised:
+        _load(text)
+    message = str(raised.value)
+    assert message.startswith("t.toml: 7 errors:"), message
+    for part in ("`dtype` = 3: must be a string", "`batch_size` = 'one': must be an integer",  # the wrong types
+                 "`loss` = 'chunkd': use one of ['full', 'chunked', 'liger']. Did you mean `chunked`?",
+                 "`warmup_steps` = 0", "`attn_implementations` = 'sdpaa'", "Did you mean `sdpa`?",
+                 "`cp_styles` = 'cp_rnig'", "Did you mean `cp_ring`?", "unknown suite field `cp_size`: Did you mean "
+                 "`cp_sizes`?"):
+        assert part in message, part
+    assert message.count("`dtype`") == 1 and message.count("`batch_size`") == 1  # said once, not again as a default
+
+
+def test_a_misspelt_preset_is_named_before_any_hub_advice():
+    with pytest.raises(ValueError, match=r"`model = 'qwen3-0.6B'` is not a cpbench preset. Did you mean `qwen3-0.6b`"):
+        _load(BASE.replace("tiny-qwen3", "qwen3-0.6B"))
+
+
+def test_a_bad_flag_value_is_refused_before_torch_is_imported():
+    """The argument errors of `estimate` exit 2 at parsing, with no torch or transformers import (which takes seconds)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom cpbench.cli import main\n"
+            "for argv in (['--seq', 'abc'], ['--seq', '1024', '--dtype', 'fp8'], ['--seq', '64', '--loss', 'x']):\n"
+            "    try:\n        main(['estimate', '--model', 'tiny-qwen3', *argv])\n"
+            "    except SystemExit as e:\n        assert e.code == 2, e.code\n"
+            "print(sorted({'torch', 'transformers', 'pandas'} & set(sys.modules)))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr
+    assert "argument --seq: 'abc': give comma-separated integers" in proc.stderr
+    assert "argument --dtype: invalid choice: 'fp8'" in proc.stderr and "argument --loss: invalid choice" in proc.stderr
 
 
 def test_a_toml_syntax_error_names_the_file_and_the_line(tmp_path):

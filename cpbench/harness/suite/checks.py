@@ -9,36 +9,47 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import MISSING, replace
+from dataclasses import fields as dataclass_fields
 
 from cpbench.harness.suite import documents, grid_checks, levers
+from cpbench.harness.suite.choices import BATCH_KINDS, DEVICES, DTYPES, LEVELS, LOSSES, PARITY_MODES, REFERENCES
 from cpbench.harness.suite.grid_checks import BACKENDS, CUDA_ONLY_BACKENDS, DOCUMENTED_STYLES  # noqa: F401 - the allowed values
 from cpbench.harness.suite.presets import check_has_plan, check_overrides, get_preset
-from cpbench.harness.suite.suite_errors import Collector, SuiteErrors, each, err  # noqa: F401 - spec and tests import them from here
+from cpbench.harness.suite.suite_errors import Collector, SuiteErrors, each, err, near  # noqa: F401 - spec and tests import them from here
 from cpbench.report.units import parse_bytes
 
-# The grid's allowed values live with the grid's checks (grid_checks.py); the rest live here, beside theirs.
-DTYPES = ("float32", "bfloat16", "float16")
-DEVICES = ("cpu", "cuda")
-BATCH_KINDS = ("plain", "packed", "padded")
-PARITY_MODES = ("auto", "full", "projected", "off")
-REFERENCES = ("auto", "unsharded", "sharded")  # where the parity reference runs (see `Suite.reference`)
-# What a point runs: the model's training step, or one attention op (peers/attention_level.py).
-LEVELS = ("model", "attention")
-LOSSES = ("full", "chunked", "liger")  # cpbench.cp.loss.chunked.LOSSES
+# The grid's allowed values live with the grid's checks (grid_checks.py); the enumerated fields' in choices.py (which
+# the command line reads before importing torch); the faults' here, beside their check.
 FAULTS = ("crash", "oom", "hang", "kill", "reference_crash")  # injected by cpbench's own tests only (see `Suite.faults`)
 NO_STYLE = "none"
 
 
 def validate(suite, *, allow_faults: bool = False, source: str = "suite") -> None:
     """Raises SuiteErrors listing every error found. Every field is checked on its own, so an error in one never
-    hides one in another; only a wrong type stops the rest (the checks would crash or mislead on it), and the
-    checks that read the model's config run only when the model and its overrides are sound."""
+    hides one in another: a field of the wrong type is reported, and the other checks then run with the field's
+    default in its place and say nothing more of it (only a wrong `model` or `seq_lens`, which have no default, stops
+    them). The checks that read the model's config run only when the model and its overrides are sound."""
     found = Collector()
-    for name in _SCALARS:
-        found.run(_check_scalar, suite, name)
-    for name in _LISTS:
-        found.run(_check_list, suite, name)
+    wrong = [name for name in _SCALARS if not found.passes(_check_scalar, suite, name)]
+    wrong += [name for name in _LISTS if not found.passes(_check_list, suite, name)]
+    if {"model", "seq_lens"} & set(wrong):
+        found.raise_any(source)
+    typed = list(found.errors)
+    defaults = {f.name: f.default if f.default is not MISSING else f.default_factory()
+                if f.default_factory is not MISSING else "suite"  # `name`, the one other field without a default
+                for f in dataclass_fields(suite) if f.name in wrong}
+    _check_typed(found, replace(suite, **defaults), allow_faults)
+    found.errors = typed + [e for e in found.errors[len(typed):] if not _names_any(e, wrong)]
     found.raise_any(source)
+
+
+def _names_any(error: str, names: list[str]) -> bool:
+    return any(f"`{n}`" in error or f"{n} =" in error for n in names)
+
+
+def _check_typed(found: Collector, suite, allow_faults: bool) -> None:
+    """Every check of a suite whose fields have their types."""
     found.run(_check_name, suite)
     config = _model_config(found, suite)
     for name, choices in (("device", DEVICES), ("dtype", DTYPES), ("batch_kind", BATCH_KINDS),
@@ -56,7 +67,6 @@ def validate(suite, *, allow_faults: bool = False, source: str = "suite") -> Non
         found.run(grid_checks.check_heads, suite, config)
         found.run(grid_checks.check_backends_supported, suite, config)
         found.run(levers.check_norm, suite, config)
-    found.raise_any(source)
 
 
 def _model_config(found: Collector, suite):
@@ -202,7 +212,7 @@ def _check_list(suite, name: str) -> None:
 
 def _check_choice(name: str, value, choices) -> None:
     if value not in choices:
-        raise err(name, value, f"use one of {list(choices)}.")
+        raise err(name, value, f"use one of {list(choices)}.{near(value, choices)}")
 
 
 def _check_faults(suite, allow_faults: bool) -> None:

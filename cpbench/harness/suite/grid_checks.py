@@ -9,7 +9,7 @@ Each check takes the `spec.Suite` being validated (spec imports this module, so 
 
 from __future__ import annotations
 
-from cpbench.harness.suite.suite_errors import Collector, each, err
+from cpbench.harness.suite.suite_errors import Collector, each, err, near
 
 BACKENDS = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3", "flash_attention_4")
 CUDA_ONLY_BACKENDS = ("flash_attention_2", "flash_attention_3", "flash_attention_4")
@@ -43,7 +43,7 @@ def check_backends(suite) -> None:
 
 def _backend(b: str, suite) -> None:
     if b not in BACKENDS:
-        raise err("attn_implementations", b, f"use one of {list(BACKENDS)}.")
+        raise err("attn_implementations", b, f"use one of {list(BACKENDS)}.{near(b, BACKENDS)}")
     if b in CUDA_ONLY_BACKENDS and suite.device != "cuda":
         raise err("attn_implementations", b, "needs device = \"cuda\"; use eager or sdpa on CPU.")
     if b in CUDA_ONLY_BACKENDS and suite.dtype == "float32":
@@ -108,7 +108,7 @@ def check_style_names(suite) -> None:
 
 def _style(style: str, known: list[str]) -> None:
     if style not in known:
-        raise err("cp_styles", style, f"is not a CP attention style; use one of {known}.")
+        raise err("cp_styles", style, f"is not a CP attention style; use one of {known}.{near(style, known)}")
 
 
 def check_cp_sizes(suite) -> None:

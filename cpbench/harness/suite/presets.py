@@ -14,6 +14,8 @@ from pathlib import Path
 
 from transformers import AutoConfig
 
+from cpbench.harness.suite.suite_errors import near
+
 # Keys of a saved config.json that describe the file, not the model.
 _META_KEYS = ("architectures", "transformers_version", "_name_or_path", "torch_dtype", "dtype", "model_type",
               "auto_map", "_attn_implementation_autoset", "use_cache")
@@ -134,7 +136,8 @@ def _own_model(name: str) -> Preset:
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file() and (name.endswith(".json") or name.startswith(("/", ".", "~"))):
-        raise ValueError(f"`model = {name!r}`: no config.json there. Give a preset ({sorted(PRESETS)}), a path to a "
+        raise ValueError(f"`model = {name!r}`: no config.json there.{near(name, PRESETS)} Give a preset "
+                         f"({sorted(PRESETS)}), a path to a "
                          "config.json, a directory holding one, or a hub id whose config is in the local HF cache.")
     try:
         raw = json.loads(path.read_text()) if path.is_file() else _cached_hub_config(name)
@@ -160,7 +163,7 @@ def _cached_hub_config(name: str) -> dict:
         config = AutoConfig.from_pretrained(name, local_files_only=True)
     except (OSError, ValueError):
         raise ValueError(
-            f"`model = {name!r}` is not a cpbench preset. Use one of {sorted(PRESETS)}, a path to a config.json or a "
+            f"`model = {name!r}` is not a cpbench preset.{near(name, PRESETS)} Use one of {sorted(PRESETS)}, a path to a config.json or a "
             "directory holding one (none exists there), or a hub id whose config is in the local Hugging Face cache "
             f"(none is for this one, and cpbench never downloads: fetch it where there is network with `hf download "
             f"{name} config.json`, or add a Preset to cpbench/harness/suite/presets.py)."

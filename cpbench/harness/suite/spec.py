@@ -16,6 +16,7 @@ from pathlib import Path
 from cpbench.harness.suite.checks import NO_STYLE, SuiteErrors, err, validate
 from cpbench.harness.suite.levers import compile_mode, tiled_mlp_tiles
 from cpbench.harness.suite.point import BALANCED_STYLES, Point, key_hash
+from cpbench.harness.suite.suite_errors import near
 
 
 
@@ -114,9 +115,11 @@ def load_suite(source: str | Path, *, text: str | None = None, allow_faults: boo
     errors = []
     known = {f.name for f in fields(Suite)}
     unknown = sorted(set(raw) - known)
-    if unknown:
-        errors.append(f"unknown suite fields {unknown}. Known fields: {sorted(known)}.")
-        raw = {k: v for k, v in raw.items() if k in known}
+    for name in unknown:
+        hint = near(name, known)
+        errors.append(f"unknown suite field `{name}`:{hint}" if hint else
+                      f"unknown suite field `{name}`: the known fields are {sorted(known)} (docs/sweeps.md).")
+    raw = {k: v for k, v in raw.items() if k in known}
     for name in ("seq_lens", "cp_sizes", "attn_implementations", "cp_styles", "implementations"):
         if name in raw:
             if not isinstance(raw[name], list) or not raw[name]:

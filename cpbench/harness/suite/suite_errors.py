@@ -5,6 +5,15 @@ from __future__ import annotations
 import re
 
 
+def near(name: str, known) -> str:
+    """" Did you mean `x`?" for the known name closest to a misspelt one (case aside), or ""."""
+    import difflib
+
+    by_lower = {str(k).lower(): k for k in known}
+    close = difflib.get_close_matches(str(name).lower(), list(by_lower), n=1, cutoff=0.6)
+    return f" Did you mean `{by_lower[close[0]]}`?" if close else ""
+
+
 def err(field_name: str, value, fix: str) -> ValueError:
     return ValueError(f"suite field `{field_name}` = {value!r}: {fix}")
 
@@ -64,6 +73,8 @@ def in_flags(error: ValueError, flags: dict[str, str]) -> ValueError:
     def head(m: re.Match) -> str:
         return f"`{said(flags[m[1]], m[2])}`" if m[1] in flags else m[0]
 
+    if not flags:
+        return error
     text = re.sub(r"suite field `(\w+)` = ('[^']*'|[^:]+?)(?=: )", head, str(error))
     if "model_overrides" in flags:
         text = re.sub(r"model_overrides = \{(\w+) = ([^}]*)\}",
