@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -117,3 +118,41 @@ def _check_options(page: str, line: str, parsed) -> None:
         pytest.fail(f"{page}: `{line}` is refused: {e}")
     finally:
         os.chdir(here)
+
+
+def test_the_suite_guide_names_every_preset():
+    from cpbench.harness.suite.presets import PRESETS
+
+    text = (ROOT / "docs" / "sweeps.md").read_text()
+    comment = text.split('model = "tiny-qwen3"', 1)[1].split("model_overrides", 1)[0]
+    assert set(re.findall(r"[a-z][\w.-]*\d[\w.-]*|tiny-\w+", comment)) >= set(PRESETS), sorted(PRESETS)
+
+
+def _regen():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("regen", ROOT / "docs" / "regen.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_reports_guides_table_is_what_report_prints_of_the_committed_baseline(capsys):
+    assert _regen().main(["--check", "--only", "reports-table"]) == 0, capsys.readouterr().err
+
+
+def test_a_regenerated_block_fails_the_check_where_a_figure_moved():
+    regen = _regen()
+    block = "| 16384 | 62.0 GiB, 496 ms projected |\nProjected in 61 s on a 2-core machine, no GPU:"
+    assert regen.differences(block, block.replace("61 s", "75 s")) == []  # a duration is this machine's
+    assert regen.differences(block, block.replace("496 ms", "499 ms")) == []  # within 1 %
+    assert regen.differences(block, block.replace("496 ms", "527 ms")) == ["496 ms committed, 527 ms now"]
+    assert regen.differences(block, block.replace("62.0 GiB", "62.1 GiB")) != []  # memory is exact
+
+
+@pytest.mark.heavy
+def test_the_reference_projection_in_the_readme_is_what_the_code_projects_now():
+    """Reruns the README's reference projection (docs/regen.py; about a minute). Opt-in: `-m heavy`."""
+    proc = subprocess.run([sys.executable, str(ROOT / "docs" / "regen.py"), "--check", "--only", "reference-projection"],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
