@@ -185,3 +185,19 @@ def legend(ax):
     grow(ax.figure, width=width + extra, height=height)
     return ax.legend(list(entries.values()), shown, fontsize=fontsize, ncols=ncols, loc="upper left",
                      bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+
+
+# Markers cycled per configuration, so that series drawn on top of one another still show as several.
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">")
+DODGE = 0.035  # log2 units between neighbouring configurations at one length (about 2.5 % of the length)
+
+
+def dodged(lengths, index: int, count: int):
+    """`lengths` moved sideways for configuration `index` of `count` on a log-2 length axis: points of several
+    configurations at one length (equal values included) stand side by side instead of on top of each other."""
+    return np.asarray(lengths, dtype=float) * 2.0 ** ((index - (count - 1) / 2) * DODGE)
+
+
+def line_style(lengths) -> str:
+    """A line joins a configuration's lengths; a run of one length draws its points alone."""
+    return "-" if len(set(lengths)) > 1 else "none"

@@ -1,9 +1,11 @@
 """The report's figures (matplotlib's object API on the Agg canvas: no pyplot state, no display needed).
 
 Each `*_figure(frame)` returns a Figure (a notebook shows it; `page.save_figures` writes PNGs, and leaves out a figure
-with nothing to show, saying why: the message the figure would have shown, `nothing_to_show`). Axes are in GiB and ms (rendering only); the data stays in bytes and seconds. A configuration has
-one colour in every figure of a run (`config_colors`), sequence lengths read 16k, 32k, 1M, and legends stand outside
-the data. Tick labels and legends go through `axes`, which wraps long labels and grows a figure around them: each
+with nothing to show, saying why: the message the figure would have shown, `nothing_to_show`). A memory axis is in the
+unit its values read best in (MiB for a tiny model, GiB for a real one) and time in ms (rendering only); the data stays
+in bytes and seconds. A configuration has one colour and one marker in every figure of a run (`config_colors`), and
+its points stand a little aside from the other configurations' at the same length (`axes.dodged`), so that equal
+values stay visible; sequence lengths read 16k, 32k, 1M, and legends stand outside the data. Tick labels and legends go through `axes`, which wraps long labels and grows a figure around them: each
 figure is created at the size of its data alone.
 """
 
@@ -17,9 +19,9 @@ from matplotlib import colormaps
 from matplotlib.figure import Figure
 
 from . import axes
-from .axes import MAX_INCHES, empty, legend, seq_axis, ticks
+from .axes import MARKERS, MAX_INCHES, dodged, empty, legend, line_style, seq_axis, ticks
 from .derive import largest_fit, measurement_note, ordered_configs, ratios_vs_cp1, with_config, with_projected_time
-from .units import GIB, human_bytes, seq_label
+from .units import byte_unit, human_bytes, seq_label
 
 BREAKDOWN = (("params_bytes", "parameters"), ("grads_bytes", "gradients"),
              ("optimizer_bytes", "optimizer state"), ("activations_bytes", "activations"),
@@ -51,12 +53,21 @@ def _width(bars: int) -> float:
 
 
 def capacity_bytes(frame: pd.DataFrame, explicit: float | None = None) -> tuple[float, str] | None:
-    """The memory line to draw: an explicit capacity (bytes, e.g. `--device-memory` through units.parse_bytes),
-    else the sweep's --memory-budget (when it had one)."""
+    """The memory line to draw: an explicit capacity (bytes, e.g. `report --device-memory` through
+    units.parse_bytes), else the run's own (a sweep's memory budget, an estimate's --device-memory or --gpu)."""
     if explicit is not None:
-        return float(explicit), "device capacity (--device-memory)"
+        return float(explicit), "device capacity (report --device-memory)"
     budgets = frame["memory_budget_bytes"].dropna()
-    return (float(budgets.max()), "the suite's memory budget") if len(budgets) else None
+    return (float(budgets.max()), "capacity per rank the run was checked against") if len(budgets) else None
+
+
+def _marker(config: str, colors: dict) -> str:
+    return MARKERS[list(colors).index(config) % len(MARKERS)] if config in colors else "x"
+
+
+def _aside(lengths, config: str, colors: dict):
+    """The lengths of `config`'s points, moved aside by its place among the run's configurations (axes.dodged)."""
+    return dodged(lengths, list(colors).index(config) if config in colors else 0, max(len(colors), 1))
 
 
 def memory_figure(frame: pd.DataFrame, capacity: float | None = None) -> Figure:
@@ -68,31 +79,35 @@ def memory_figure(frame: pd.DataFrame, capacity: float | None = None) -> Figure:
     if ok.empty and not labelled["status"].isin(["oom", "error", "timeout"]).any():
         empty(ax, "no point finished ok")
         return fig
+    line = capacity_bytes(frame, capacity)
+    size, unit = byte_unit([*ok["peak_bytes"], *labelled.loc[labelled["status"] == "oom", "peak_bytes"]])
     for config in ordered_configs(ok) if len(ok) else []:
         points = ok[ok["config"] == config]
-        ax.plot(points["seq_len"], points["peak_bytes"] / GIB, marker="o", label=config, color=colors[config])
-        for seq_len, ranks in zip(points["seq_len"], points["peak_bytes_per_rank"]):
+        x = _aside(points["seq_len"], config, colors)
+        ax.plot(x, points["peak_bytes"] / size, marker=_marker(config, colors), linestyle=line_style(x), label=config,
+                color=colors[config])
+        for at, ranks in zip(x, points["peak_bytes_per_rank"]):
             if ranks is not None and len(ranks):
-                ax.scatter([seq_len] * len(ranks), np.asarray(ranks) / GIB, s=10, color=colors[config], alpha=0.5)
-    _mark_failures(ax, labelled, colors)
-    line = capacity_bytes(frame, capacity)
+                ax.scatter([at] * len(ranks), np.asarray(ranks) / size, s=10, color=colors[config], alpha=0.5)
+    _mark_failures(ax, labelled, colors, size)
     if line:
-        ax.axhline(line[0] / GIB, color="red", linestyle="--", label=line[1])
+        ax.axhline(line[0] / size, color="red", linestyle="--", label=line[1])
     seq_axis(ax, labelled["seq_len"])
-    ax.set_ylabel("peak memory per rank (GiB)")
+    ax.set_ylim(bottom=0)
+    ax.set_ylabel(f"peak memory per rank ({unit})")
     ax.set_title("Peak memory per rank (line: max over ranks, dots: each rank)" + measurement_note(frame))
     legend(ax)
     return fig
 
 
-def _mark_failures(ax, frame: pd.DataFrame, colors: dict) -> None:
+def _mark_failures(ax, frame: pd.DataFrame, colors: dict, size: float) -> None:
     """An out-of-memory point with a peak (a projection's, or a measured one over the budget) at that peak, in its
     configuration's colour; a point without one (error, timeout) on the top edge."""
     failed = frame[frame["status"].isin(["oom", "error", "timeout"])]
     at_peak = failed[(failed["status"] == "oom") & failed["peak_bytes"].notna()]
     for config, points in at_peak.groupby("config", sort=False):
-        ax.scatter(points["seq_len"], points["peak_bytes"] / GIB, marker="x", s=70, color=colors.get(config, "red"),
-                   label=f"{config}: out of memory (at its peak)")
+        ax.scatter(_aside(points["seq_len"], config, colors), points["peak_bytes"] / size, marker="x", s=70,
+                   color=colors.get(config, "red"), label=f"{config}: out of memory (at its peak)")
     edge = failed.drop(at_peak.index)
     if len(edge):
         ax.scatter(edge["seq_len"], [0.97] * len(edge), marker="x", color="red", s=60,
@@ -100,7 +115,7 @@ def _mark_failures(ax, frame: pd.DataFrame, colors: dict) -> None:
 
 
 def time_figure(frame: pd.DataFrame) -> Figure:
-    """Median step time (p10–p90 bars) and tokens/s vs sequence length."""
+    """Median step time (p10–p90 bars where steps were measured) and tokens/s per GPU vs sequence length."""
     fig = Figure(figsize=(10, 5), layout="constrained")
     step_ax, tps_ax = fig.subplots(1, 2)
     ok = _ok(with_projected_time(frame)).dropna(subset=["step_time_median_s"])
@@ -110,20 +125,33 @@ def time_figure(frame: pd.DataFrame) -> Figure:
         empty(tps_ax, "")
         return fig
     colors = config_colors(frame)
+    measured = bool((ok["measurement"] != "projected").any()) if "measurement" in ok else True
     for config in ordered_configs(ok):
         p = ok[ok["config"] == config]
+        x, marker = _aside(p["seq_len"], config, colors), _marker(config, colors)
         median = p["step_time_median_s"] * 1e3
         spread = [median - p["step_time_p10_s"] * 1e3, p["step_time_p90_s"] * 1e3 - median]
-        step_ax.errorbar(p["seq_len"], median, yerr=np.clip(np.asarray(spread, dtype=float), 0, None),
-                         marker="o", capsize=3, label=config, color=colors[config])
-        tps_ax.plot(p["seq_len"], p["tokens_per_s"], marker="o", label=config, color=colors[config])
-    gpus = ", ".join(sorted(ok["gpu_profile"].dropna().unique())) if "gpu_profile" in ok else ""
-    for ax, label in ((step_ax, "step time, median (ms; bars p10–p90)"), (tps_ax, "tokens / s")):
+        step_ax.errorbar(x, median, yerr=np.clip(np.asarray(spread, dtype=float), 0, None), marker=marker,
+                         linestyle=line_style(x), capsize=3, label=config, color=colors[config])
+        tps_ax.plot(x, p["tokens_per_s"] / p["world_size"].clip(lower=1), marker=marker, linestyle=line_style(x),
+                    label=config, color=colors[config])
+    on = _on_gpus(ok)
+    for ax, title, label in ((step_ax, "Step time", "step time, median (ms" + ("; bars p10–p90)" if measured
+                                                                               else ")")),
+                             (tps_ax, "Tokens/s per GPU", "tokens / s per GPU (the global batch's over the ranks)")):
         seq_axis(ax, ok["seq_len"])
+        ax.set_ylim(bottom=0)  # a difference of 7 % reads as 7 %
         ax.set_ylabel(label)
-        ax.set_title(label.split(",")[0].capitalize() + measurement_note(frame) + (f" on {gpus}" if gpus else ""))
+        ax.set_title(title + measurement_note(frame) + on)
     legend(tps_ax)
     return fig
+
+
+def _on_gpus(frame: pd.DataFrame) -> str:
+    """" on h100-sxm" for a figure whose times are priced on GPU profiles; "" for measured times."""
+    timed = frame[frame["measurement"] == "projected"] if "measurement" in frame else frame.iloc[:0]
+    names = sorted(timed["gpu_profile"].dropna().unique()) if "gpu_profile" in timed else []
+    return f" on {', '.join(names)}" if names else ""
 
 
 def scaling_figure(frame: pd.DataFrame) -> Figure:
@@ -138,12 +166,14 @@ def scaling_figure(frame: pd.DataFrame) -> Figure:
     timed = bool(ratios["speedup"].notna().any())
     colors = config_colors(frame)
     for config in dict.fromkeys(ratios["config"]):
-        r, color = ratios[ratios["config"] == config], colors.get(config)
+        r, color, marker = ratios[ratios["config"] == config], colors.get(config), _marker(config, colors)
+        x = _aside(r["seq_len"], config, colors)
         if timed:
-            speed_ax.plot(r["seq_len"], r["speedup"], marker="o", label=config, color=color)
-        mem_ax.plot(r["seq_len"], r["memory_ratio"], marker="o", label=f"{config}: peak", color=color)
-        mem_ax.plot(r["seq_len"], r["activations_ratio"], marker=".", linestyle=":", color=color,
-                    label=f"{config}: activations")
+            speed_ax.plot(x, r["speedup"], marker=marker, linestyle=line_style(x), label=config, color=color)
+        mem_ax.plot(x, r["memory_ratio"], marker=marker, linestyle=line_style(x), label=f"{config}: peak",
+                    color=color)
+        mem_ax.plot(x, r["activations_ratio"], marker=".", linestyle=":" if line_style(x) == "-" else "none",
+                    color=color, label=f"{config}: activations")
     for cp in sorted(ratios["cp_size"].unique()):
         mem_ax.axhline(1.0 / cp, color="grey", linestyle="--", label=f"ideal activations 1/{cp}")
     mem_ax.set_ylabel("memory vs cp=1 (ratio of per-rank peaks)")
@@ -152,6 +182,7 @@ def scaling_figure(frame: pd.DataFrame) -> Figure:
     if timed:
         speed_ax.axhline(1.0, color="grey", linestyle="--")
         speed_ax.set_ylabel("speed-up vs cp=1 (cp=1 step time / step time)")
+        speed_ax.set_title("Speed-up against cp=1" + measurement_note(frame) + _on_gpus(with_projected_time(frame)))
     else:
         empty(speed_ax, "no speed-up: no point was timed (a projection has no time)")
     for ax in panels:
@@ -171,12 +202,13 @@ def breakdown_figure(frame: pd.DataFrame) -> Figure:
         return fig
     ok = ok.sort_values(["config_order", "seq_len"])
     x = np.arange(len(ok))
+    size, unit = byte_unit([*ok["peak_bytes"], *(ok["host_peak_bytes"] if "host_peak_bytes" in ok else [])])
     host = "host_peak_bytes" in ok and (ok["host_peak_bytes"].fillna(0) > 0).any()
     width = 0.4 if host else 0.8
     colors = {}
     bottom = np.zeros(len(ok))
     for column, label in BREAKDOWN:
-        values = ok[column].fillna(0).to_numpy(dtype=float) / GIB
+        values = ok[column].fillna(0).to_numpy(dtype=float) / size
         bars = ax.bar(x - width / 2 if host else x, values, width, bottom=bottom, label=f"device: {label}" if host
                       else label)
         colors[column] = bars.patches[0].get_facecolor() if bars.patches else None
@@ -184,12 +216,12 @@ def breakdown_figure(frame: pd.DataFrame) -> Figure:
     if host:
         bottom = np.zeros(len(ok))
         for column, label in HOST_BREAKDOWN:
-            values = ok[column].fillna(0).to_numpy(dtype=float) / GIB
+            values = ok[column].fillna(0).to_numpy(dtype=float) / size
             ax.bar(x + width / 2, values, width, bottom=bottom, label=f"host: {label}", hatch="//",
                    color=colors.get(column.replace("host_", "")), edgecolor="white")
             bottom += values
     ticks(ax, "x", x, [f"{c}\n{seq_label(s)}" for c, s in zip(ok["config"], ok["seq_len"])], rotation=90)
-    ax.set_ylabel("GiB (rank with the highest peak)")
+    ax.set_ylabel(f"{unit} (rank with the highest peak)")
     ax.set_title(("Memory breakdown at the peak: device (left) and host (right, hatched)" if host
                   else "Memory breakdown at the peak") + measurement_note(frame))
     legend(ax)
@@ -235,6 +267,10 @@ def fit_figure(frame: pd.DataFrame) -> Figure:
     ax = fig.add_subplot()
     if fits.empty or fits["largest_ok_seq_len"].isna().all():
         empty(ax, "no point finished ok")
+        return fig
+    if fits["first_failed_seq_len"].isna().all() and fits["largest_ok_seq_len"].nunique() == 1:
+        empty(ax, f"every configuration ran every length, the longest ({fits['largest_ok_seq_len'].iloc[0]:,} "
+                  "tokens) included: nothing failed to set a limit")
         return fig
     y = np.arange(len(fits))
     ax.barh(y, fits["largest_ok_seq_len"].fillna(0).astype(float))

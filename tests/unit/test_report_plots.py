@@ -47,18 +47,27 @@ def _lines(fig):
     return {line.get_label(): line.get_ydata()[0] for line in fig.axes[0].get_lines() if len(set(line.get_ydata())) == 1}
 
 
+def _unit(fig) -> float:
+    """Bytes per unit of a memory figure's axis, read from its label."""
+    label = fig.axes[0].get_ylabel()
+    return {"(GiB)": GIB, "(MiB)": 1024**2, "(KiB)": 1024}[label[label.rindex("("):]]
+
+
 def test_the_capacity_line_is_drawn_where_parse_bytes_puts_it():
     frame = make_run(oom_cp1_at=None)
-    lines = _lines(plots.memory_figure(frame, capacity=parse_bytes("1.5GB", field_name="--device-memory")))
-    label = "device capacity (--device-memory)"  # the line is named for where it came from
-    assert lines[label] == pytest.approx(1.5e9 / GIB)  # GB is 10^9 bytes, drawn in GiB
-    assert _lines(plots.memory_figure(frame, capacity=parse_bytes("2GiB")))[label] == pytest.approx(2.0)
+    fig = plots.memory_figure(frame, capacity=parse_bytes("1.5GB", field_name="--device-memory"))
+    label = "device capacity (report --device-memory)"  # the line is named for where it came from
+    assert _lines(fig)[label] * _unit(fig) == pytest.approx(1.5e9)  # GB is 10^9 bytes
+    fig = plots.memory_figure(frame, capacity=parse_bytes("2GiB"))
+    assert _lines(fig)[label] * _unit(fig) == pytest.approx(2 * GIB)
 
 
-def test_without_a_capacity_the_sweeps_memory_budget_is_drawn():
+def test_without_a_capacity_the_runs_own_is_drawn():
     frame = make_run()  # cp=1 ran out of a 256 MiB budget
-    assert _lines(plots.memory_figure(frame)) == {"the suite's memory budget": pytest.approx(0.25)}
-    assert "the suite's memory budget" not in _lines(plots.memory_figure(frame, capacity=GIB))
+    fig = plots.memory_figure(frame)
+    label = "capacity per rank the run was checked against"  # a sweep's budget, or an estimate's --device-memory
+    assert {k: v * _unit(fig) for k, v in _lines(fig).items()} == {label: pytest.approx(0.25 * GIB)}
+    assert label not in _lines(plots.memory_figure(frame, capacity=GIB))
 
 
 def test_every_figure_draws_a_projected_run_and_says_so():
@@ -105,9 +114,9 @@ def test_an_out_of_memory_point_is_drawn_at_its_projected_peak():
     frame = projected(make_run())
     frame.loc[frame["status"] == "oom", "peak_bytes"] = 300 * 1024**2  # a projection records the peak it found
     oom = frame[frame["status"] == "oom"].iloc[0]
-    ax = plots.memory_figure(frame, capacity=0.25 * GIB).axes[0]
-    marks = [c for c in ax.collections if "out of memory (at its peak)" in c.get_label()]
-    assert marks and any(pytest.approx(oom["peak_bytes"] / GIB) == y for c in marks for _, y in c.get_offsets())
+    fig = plots.memory_figure(frame, capacity=0.25 * GIB)
+    marks = [c for c in fig.axes[0].collections if "out of memory (at its peak)" in c.get_label()]
+    assert marks and any(pytest.approx(oom["peak_bytes"]) == y * _unit(fig) for c in marks for _, y in c.get_offsets())
 
 
 def test_a_projected_report_writes_no_empty_time_or_parity_figure(tmp_path):
@@ -140,3 +149,58 @@ def test_a_projected_report_names_its_gpu_profile_at_the_top_and_fills_every_tim
     from cpbench.report.derive import profile_note
 
     assert profile_note(make_run()) is None  # a measured run's times are its own: the page opens on its title
+
+
+def test_series_with_equal_values_stay_visible_side_by_side_with_their_own_markers():
+    frame = make_run(backends=("eager", "sdpa"), oom_cp1_at=None)
+    frame["peak_bytes"] = 40 * 1024**2  # every configuration at one value: drawn on top of each other before
+    lines = [line for line in plots.memory_figure(frame).axes[0].get_lines() if line.get_label() in
+             set(plots.config_colors(frame))]
+    assert len(lines) == len(plots.config_colors(frame)) == 6
+    assert len({tuple(line.get_xdata()) for line in lines}) == 6  # each configuration a little aside
+    assert len({line.get_marker() for line in lines}) == 6
+    for line in lines:  # aside by under 10 % of the length: still read at it
+        assert all(abs(x / s - 1) < 0.1 for x, s in zip(line.get_xdata(), sorted(frame["seq_len"].unique())))
+
+
+def test_memory_is_drawn_in_the_unit_its_values_read_in():
+    small = make_run(oom_cp1_at=None)  # peaks of MiB: a GiB axis drew them flat at 0.00
+    fig = plots.memory_figure(small)
+    assert fig.axes[0].get_ylabel() == "peak memory per rank (MiB)"
+    assert max(max(line.get_ydata()) for line in fig.axes[0].get_lines()) > 1
+    assert plots.breakdown_figure(small).axes[0].get_ylabel() == "MiB (rank with the highest peak)"
+    large = small.assign(peak_bytes=small["peak_bytes"] * 4096)
+    assert plots.memory_figure(large).axes[0].get_ylabel() == "peak memory per rank (GiB)"
+
+
+def test_throughput_is_per_gpu_from_zero_and_every_panel_is_titled():
+    frame = make_run(oom_cp1_at=None)
+    step_ax, tps_ax = plots.time_figure(frame).axes
+    assert "per GPU" in tps_ax.get_title() and "per GPU" in tps_ax.get_ylabel()
+    ok = frame[(frame["status"] == "ok") & (frame["cp_size"] == 2)]
+    per_gpu = sorted(ok["tokens_per_s"] / ok["world_size"])
+    drawn = sorted(y for line in tps_ax.get_lines() for y in line.get_ydata())
+    assert any(pytest.approx(per_gpu[0]) == y for y in drawn) and max(drawn) < frame["tokens_per_s"].max()
+    assert step_ax.get_ylim()[0] == tps_ax.get_ylim()[0] == 0  # a 7 % difference reads as 7 %
+    for fig in (plots.time_figure(frame), plots.scaling_figure(frame)):
+        assert all(ax.get_title() for ax in fig.axes if ax.axison)
+
+
+def test_a_projected_time_says_its_gpu_and_draws_no_bars_it_does_not_have():
+    from tests.report_fixtures import projected
+
+    frame = _timed(projected(make_run()))
+    step_ax, tps_ax = plots.time_figure(frame).axes
+    assert "bars" not in step_ax.get_ylabel() and step_ax.get_title().endswith("(projected) on h100-sxm")
+    speed_ax = plots.scaling_figure(frame).axes[0]
+    assert speed_ax.get_title().endswith("on h100-sxm")
+
+
+def test_one_length_is_drawn_as_points_and_a_fit_that_nothing_limited_is_not_drawn(tmp_path):
+    frame = make_run(seq_lens=(512,), oom_cp1_at=None)
+    lines = plots.memory_figure(frame).axes[0].get_lines()
+    assert lines and all(line.get_linestyle() == "None" for line in lines if len(line.get_xdata()) == 1)
+    paths, omitted = page.save_figures(frame, tmp_path)
+    assert "largest_fit" not in paths and "nothing failed to set a limit" in omitted["largest_fit"]
+    _, omitted = page.save_figures(make_run(), tmp_path / "limited")  # cp 1 out of memory at 1024: drawn
+    assert "largest_fit" not in omitted

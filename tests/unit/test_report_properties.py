@@ -61,13 +61,22 @@ def expected_figures(frame: pd.DataFrame) -> set[str]:
     scaled = any(tuple(r) in cp1 for r in ok[ok["cp_size"] > 1][match].astype(str).itertuples(index=False))
     shown = {"memory": len(ok) > 0 or frame["status"].isin(["oom", "error", "timeout"]).any(),
              "time": bool(timed.any()), "scaling": scaled, "memory_breakdown": len(ok) > 0,
-             "parity": frame["parity_status"].isin(["pass", "fail"]).any(), "largest_fit": len(ok) > 0,
+             "parity": frame["parity_status"].isin(["pass", "fail"]).any(), "largest_fit": _limited(frame, ok),
              "balance": bool(((ok["cp_size"] > 1) & (ok["batch_kind"] != "plain")
                               & ok["attention_pairs_per_rank"].map(_listed)).any())}
     # Every figure the report knows is judged here (a new one must say when it has something to show); the peers
     # figure belongs to peer runs only (tests/e2e/test_peers.py).
     assert set(shown) == set(page.FIGURES) == set(page.FIGURE_TITLES) - {"peers"}
     return {name for name, yes in shown.items() if yes}
+
+
+def _limited(frame: pd.DataFrame, ok: pd.DataFrame) -> bool:
+    """A largest fit to show: some point ran ok, and a point failed or the configurations' longest ok lengths
+    differ (else every configuration ran every length and the figure would say nothing)."""
+    from cpbench.report.derive import with_config
+
+    longest = with_config(frame).loc[ok.index].groupby("config")["seq_len"].max()
+    return len(ok) > 0 and (frame["status"].isin(["oom", "error", "timeout"]).any() or longest.nunique() > 1)
 
 
 def _listed(value) -> bool:
