@@ -86,12 +86,18 @@ def _point_row(row: pd.Series, unit: tuple[int, str]) -> dict:
         "step p10–p90": _spread(row),
         "attention imbalance": imbalance_text(row),
         "slowest rank": slowest_text(row),
-        "tokens/s": _projected_or(row, "tokens_per_s", "projected_tokens_per_s", units.sig),
+        "tokens/s per GPU": _projected_or(row, "tokens_per_s", "projected_tokens_per_s",
+                                          lambda v: units.sig(v / _ranks(row))),
         "parity": row["parity_status"] if isinstance(row["parity_status"], str) else "–",
         "loss rel err": units.sig(row["loss_rel_err"], 2),
         "grad max rel err": units.sig(row["grad_max_rel_err"], 2),
         "detail": _detail(row),
     }
+
+
+def _ranks(row: pd.Series) -> int:
+    ranks = row.get("world_size")
+    return int(ranks) if ranks is not None and pd.notna(ranks) and ranks > 0 else 1
 
 
 def _projected_or(row: pd.Series, measured: str, projected: str, show) -> str:

@@ -30,7 +30,7 @@ def summary_table(df) -> str:
 def _table(df) -> str:
     if len(df) and "measurement" in df and (df["measurement"] == "projected").all():
         return projected_table(df)
-    header = ["point", "status", "peak/rank", "activations", "RSS", "step (p50)", "tok/s", "parity"]
+    header = ["point", "status", "peak/rank", "activations", "RSS", "step (p50)", "tok/s/GPU", "parity"]
     records = df.to_dict("records")
     notes = _Notes()
     byte_cols = ("peak_bytes", "activations_bytes", "rss_peak_bytes")
@@ -40,9 +40,14 @@ def _table(df) -> str:
         status = r["status"] if r["status"] == "ok" else notes.mark(r["status"], r.get("status_detail"))
         lines.append([
             r["point_id"], status, *(in_unit(r.get(c), unit[c]) for c in byte_cols), ms(r.get("step_time_median_s")),
-            sig(r.get("tokens_per_s")), r.get("parity_status") or "",
+            sig(_per_gpu(r.get("tokens_per_s"), r.get("world_size"))), r.get("parity_status") or "",
         ])
     return notes.below(_render(header, lines))
+
+
+def _per_gpu(tokens_per_s, world_size):
+    """The global batch's tokens/s over the ranks, as every table and figure has it."""
+    return None if tokens_per_s is None or not world_size else tokens_per_s / world_size
 
 
 def projected_table(df) -> str:
