@@ -46,8 +46,9 @@ def register(subparsers) -> None:
                      help="host memory per node, e.g. 2TiB: a point whose node's ranks hold more on the host "
                           "(offloaded checkpoints, parameters, gradients, optimizer state) is `oom` (default: none)")
     est.add_argument("--gpus-per-node", type=int, default=None,
-                     help="ranks per node, for --host-memory (ranks 0..N-1 share node 0's host memory) and for "
-                          "--gpu's pricing of collectives across nodes (default 8)")
+                     help="ranks per node (default 8): ranks 0..N-1 share node 0's host memory (each row's "
+                          "host_node_peak_bytes, and --host-memory's check), and --gpu prices collectives across "
+                          "nodes")
     est.add_argument("--max-seq", action="store_true",
                      help="per configuration, search the largest length that fits both capacities (see "
                           "--granularity)")

@@ -34,7 +34,6 @@ ESTIMATE_REFUSED = {
     "--model": "a suite file and --model are two suites",
     "--sdpa-kernel": "prices SDPA on a GPU profile: only with --gpu",
     "--granularity": "the step of --max-seq's search: only with --max-seq",
-    "--gpus-per-node": "read by --host-memory and --gpu only",
     "--max-seq": "needs a capacity (--gpu, --device-memory)",
     "--recompute-every": "a lever of activation checkpointing, which the suite does not turn on",
     "--recompute-policy": "the same",

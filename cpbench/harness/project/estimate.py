@@ -139,9 +139,6 @@ def preflight(opts: EstimateOptions) -> Checked:
     if opts.granularity is not None and not opts.max_seq:
         raise ValueError(f"--granularity {opts.granularity}: the step of --max-seq's search, which was not asked "
                          "for; give --max-seq too, or drop --granularity.")
-    if opts.gpus_per_node is not None and hardware is None and host_capacity is None:
-        raise ValueError(f"--gpus-per-node {opts.gpus_per_node}: the ranks per node that --host-memory's check and "
-                         "--gpu's pricing of collectives read, and neither was given; give one, or drop it.")
     gpus_per_node = 8 if opts.gpus_per_node is None else opts.gpus_per_node
     if gpus_per_node < 1:
         raise ValueError(f"--gpus-per-node {gpus_per_node}: give at least 1 (ranks that share a node's host "
