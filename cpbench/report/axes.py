@@ -188,6 +188,18 @@ def legend(ax):
 
 
 # Markers cycled per configuration, so that series drawn on top of one another still show as several.
+OFF_SCALE = 8.0  # a reference line over this many times the data's largest value is said, not drawn (it would flatten them)
+
+
+def reference_line(ax, y: float, label: str, largest: float, value: str) -> None:
+    """A horizontal reference (a memory capacity) at `y`, labelled; one over OFF_SCALE times the `largest` value drawn
+    is only named in the legend (`value`: as a reader reads it), so the data keep the axis."""
+    if largest > 0 and y > OFF_SCALE * largest:
+        ax.plot([], [], color="red", linestyle="--", label=f"{label}: {value}, off the scale above")
+        return
+    ax.axhline(y, color="red", linestyle="--", label=label)
+
+
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">")
 DODGE = 0.035  # log2 units between neighbouring configurations at one length (about 2.5 % of the length)
 

@@ -19,7 +19,7 @@ from matplotlib import colormaps
 from matplotlib.figure import Figure
 
 from . import axes
-from .axes import MARKERS, MAX_INCHES, dodged, empty, legend, line_style, seq_axis, ticks
+from .axes import MARKERS, MAX_INCHES, dodged, empty, legend, line_style, reference_line, seq_axis, ticks
 from .derive import largest_fit, measurement_note, ordered_configs, ratios_vs_cp1, with_config, with_projected_time
 from .units import byte_unit, human_bytes, seq_label
 
@@ -80,7 +80,8 @@ def memory_figure(frame: pd.DataFrame, capacity: float | None = None) -> Figure:
         empty(ax, "no point finished ok")
         return fig
     line = capacity_bytes(frame, capacity)
-    size, unit = byte_unit([*ok["peak_bytes"], *labelled.loc[labelled["status"] == "oom", "peak_bytes"]])
+    peaks = [*ok["peak_bytes"], *labelled.loc[labelled["status"] == "oom", "peak_bytes"].dropna()]
+    size, unit = byte_unit(peaks)
     for config in ordered_configs(ok) if len(ok) else []:
         points = ok[ok["config"] == config]
         x = _aside(points["seq_len"], config, colors)
@@ -91,7 +92,7 @@ def memory_figure(frame: pd.DataFrame, capacity: float | None = None) -> Figure:
                 ax.scatter([at] * len(ranks), np.asarray(ranks) / size, s=10, color=colors[config], alpha=0.5)
     _mark_failures(ax, labelled, colors, size)
     if line:
-        ax.axhline(line[0] / size, color="red", linestyle="--", label=line[1])
+        reference_line(ax, line[0] / size, line[1], max(peaks, default=0) / size, human_bytes(line[0]))
     seq_axis(ax, labelled["seq_len"])
     ax.set_ylim(bottom=0)
     ax.set_ylabel(f"peak memory per rank ({unit})")

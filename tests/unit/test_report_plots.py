@@ -205,3 +205,13 @@ def test_one_length_is_drawn_as_points_and_a_fit_that_nothing_limited_is_not_dra
     assert "largest_fit" not in paths and "nothing failed to set a limit" in omitted["largest_fit"]
     _, omitted = page.save_figures(make_run(), tmp_path / "limited")  # cp 1 out of memory at 1024: drawn
     assert "largest_fit" not in omitted
+
+
+def test_a_capacity_that_dwarfs_the_peaks_is_written_not_drawn():
+    frame = make_run(oom_cp1_at=None)  # peaks of MiB
+    fig = plots.memory_figure(frame, capacity=80 * GIB)
+    label = "device capacity (report --device-memory)"
+    assert label not in _lines(fig)  # drawn, it would flatten the MiB points against the axis
+    said = [t.get_text().replace("\n", " ") for t in fig.axes[0].get_legend().get_texts()]
+    assert any(t.startswith(label) and "80" in t and "off the scale" in t for t in said), said
+    assert fig.axes[0].get_ylim()[1] * _unit(fig) < GIB
