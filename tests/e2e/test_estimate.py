@@ -101,9 +101,11 @@ OVERRIDES = "model_overrides = {{num_hidden_layers = 2, vocab_size = 16384, tie_
 
 def widths_matrix():
     points = []
-    for tie in ("true", "false"):
-        points += _points(WIDTHS + OVERRIDES.format(tie=tie) + 'cp_sizes = [1, 2]\n'
-                          'cp_styles = ["cp_ulysses", "cp_ring", "cp_ring_zigzag"]\n')
+    points += _points(WIDTHS + OVERRIDES.format(tie="true") + 'cp_sizes = [1, 2]\n'
+                      'cp_styles = ["cp_ulysses", "cp_ring", "cp_ring_zigzag"]\n')
+    # untied: a head group of its own beside the embedding's; what that changes is the tail's FSDP group, the same
+    # under every style, so one style at cp 2 (the whole matrix took 14 of CI's 90 minutes)
+    points += _points(WIDTHS + OVERRIDES.format(tie="false") + 'cp_sizes = [2]\ncp_styles = ["cp_ring_zigzag"]\n')
     for kind in ("packed", "padded"):
         points += _points(WIDTHS + OVERRIDES.format(tie="true") + f'cp_sizes = [2]\nbatch_kind = "{kind}"\n'
                           'cp_styles = ["cp_ring_zigzag", "cp_ulysses"]\n')
@@ -122,7 +124,7 @@ def largest_group_bytes(point) -> int:
 
 @pytest.mark.heavy
 def test_projected_equals_measured_at_qwen3_widths():
-    """Opt-in (`-m heavy`, about 12 minutes on 2 cores): the same comparison at real widths. One thing differs
+    """Opt-in (`-m heavy`, about 11 minutes on 2 cores): the same comparison at real widths. One thing differs
     there by design: gloo reduce-scatters through a staging copy of the whole input, which NCCL (and a
     projection) does not make; where a measured peak falls on a reduce-scatter it is higher by up to that copy.
     So the projected peak must be at most the measured one and at least the measured one less the largest
