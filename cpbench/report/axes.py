@@ -187,8 +187,7 @@ def legend(ax):
                      bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
 
 
-# Markers cycled per configuration, so that series drawn on top of one another still show as several.
-OFF_SCALE = 8.0  # a reference line over this many times the data's largest value is said, not drawn (it would flatten them)
+OFF_SCALE = 8.0  # a reference line over this many times the data's largest value is named, not drawn (flattens them)
 
 
 def reference_line(ax, y: float, label: str, largest: float, value: str) -> None:
@@ -200,6 +199,7 @@ def reference_line(ax, y: float, label: str, largest: float, value: str) -> None
     ax.axhline(y, color="red", linestyle="--", label=label)
 
 
+# Markers cycled per configuration, so that series drawn on top of one another still show as several.
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">")
 DODGE = 0.035  # log2 units between neighbouring configurations at one length (about 2.5 % of the length)
 

@@ -37,13 +37,13 @@ def _storages(tree) -> list:
     return [st for t in leaves if isinstance(t, torch.Tensor) for st in get_untyped_storages(t)]
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's own local tensor (the object that lives as long as the shard; `to_local()` may make a view)."""
     return getattr(t, "_local_tensor", t)
 
 
 def _nbytes(t: torch.Tensor) -> int:
-    t = _local(t)
+    t = local_tensor(t)
     return t.numel() * t.element_size()
 
 
@@ -79,7 +79,7 @@ class HostLedger:
         if self.live > self.peak:
             self.peak, self.peak_by_kind = self.live, dict(self.by_kind)
         # on the storage: a DTensor's local tensor may be re-made as a new view of the same shard (FSDP2 does)
-        weakref.finalize(_local(t).untyped_storage(), self._free, n, kind)
+        weakref.finalize(local_tensor(t).untyped_storage(), self._free, n, kind)
 
     def _free(self, n: int, kind: str) -> None:
         self.live -= n
@@ -88,7 +88,7 @@ class HostLedger:
     def to_host(self, t: torch.Tensor, kind: str) -> None:
         """`t` now lives on the host (its storage, in tracked mode; its bytes, in counted mode)."""
         if self.tracker is not None:
-            self.tracker.to_host(_local(t))
+            self.tracker.to_host(local_tensor(t))
         else:
             self._hold(t, kind)
 

@@ -248,10 +248,9 @@ def steps_on_local_shards(optimizer) -> list:
     same local ops and allocations (DTensor desugars into them), without a sharding propagation per tensor of every
     foreach op (two fifths of a projection's time). Own pre-hooks registered before (the clipping's all-reduce)
     still see the DTensors. Returns the hook handles (tests/unit/test_projection_shard_steps.py)."""
-    owned = [list(group["params"]) for group in optimizer.param_groups]
+    from cpbench.harness.measure.host import local_tensor as shard
 
-    def shard(t):
-        return getattr(t, "_local_tensor", t)
+    owned = [list(group["params"]) for group in optimizer.param_groups]
 
     def to_shards(opt, *_):
         for group, params in zip(opt.param_groups, owned):
